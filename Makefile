@@ -1,0 +1,28 @@
+# `make demo` and `make test` work on a fresh machine with only python3 (>= 3.11).
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+
+.PHONY: demo test lint bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[dev,examples]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) examples/data_parallel_demo.py
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+
+bench: $(STAMP)
+	$(PY) benchmarks/bench_optimizer.py
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

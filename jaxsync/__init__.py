@@ -1,0 +1,43 @@
+"""jaxsync: Megatron-style gradient sync and a ZeRO distributed optimizer for JAX."""
+
+from jaxsync._src.axes import normalize_axes as normalize_axes
+from jaxsync._src.collectives import bucket_all_gather as bucket_all_gather
+from jaxsync._src.collectives import bucket_all_reduce as bucket_all_reduce
+from jaxsync._src.collectives import bucket_reduce_scatter as bucket_reduce_scatter
+from jaxsync._src.data import shard_batch as shard_batch
+from jaxsync._src.grad_sync import accumulate_grads as accumulate_grads
+from jaxsync._src.grad_sync import all_reduce_grads as all_reduce_grads
+from jaxsync._src.grad_sync import broadcast_params as broadcast_params
+from jaxsync._src.grad_sync import nonfinite_grads as nonfinite_grads
+from jaxsync._src.grad_sync import raise_if_nonfinite as raise_if_nonfinite
+from jaxsync._src.grad_sync import value_and_grad as value_and_grad
+from jaxsync._src.layout import Bucket as Bucket
+from jaxsync._src.layout import Buffer as Buffer
+from jaxsync._src.layout import BufferKey as BufferKey
+from jaxsync._src.layout import Layout as Layout
+from jaxsync._src.layout import ParamSlot as ParamSlot
+from jaxsync._src.layout import PieceRange as PieceRange
+from jaxsync._src.layout import build_layout as build_layout
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Bucket",
+    "Buffer",
+    "BufferKey",
+    "Layout",
+    "ParamSlot",
+    "PieceRange",
+    "accumulate_grads",
+    "all_reduce_grads",
+    "broadcast_params",
+    "bucket_all_gather",
+    "bucket_all_reduce",
+    "bucket_reduce_scatter",
+    "build_layout",
+    "nonfinite_grads",
+    "normalize_axes",
+    "raise_if_nonfinite",
+    "shard_batch",
+    "value_and_grad",
+]

@@ -1,0 +1,101 @@
+"""Mesh-axis helpers: normalise ``axis_name``, check it is bound, read sizes.
+
+Every public function takes ``axis_name`` as one name or a tuple of names, and
+checks it here, at trace time, so a typo fails with the mesh's real axis names
+in the message instead of a bare ``NameError`` deep inside a collective.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+
+AxisName = str | tuple[str, ...]
+
+NOT_IN_SHARD_MAP = (
+    "{fn} must run inside `jax.shard_map` over a mesh with axis {axes}, but no mesh "
+    "axes are bound here. Wrap the step in `jax.shard_map(step, mesh=mesh, ...)`."
+)
+UNKNOWN_AXIS = (
+    "{fn}: `axis_name` {missing} is not an axis of the mesh; the mesh has axes "
+    "{names} with sizes {sizes}. Pass one of those names (or a tuple of them)."
+)
+
+
+def normalize_axes(axis_name: AxisName) -> tuple[str, ...]:
+    """``"data"`` -> ``("data",)``; tuples pass through; rejects empty names."""
+    axes = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
+    if not axes or not all(isinstance(a, str) and a for a in axes):
+        raise ValueError(
+            f"`axis_name` must be a mesh axis name or a non-empty tuple of them, "
+            f"got {axis_name!r}."
+        )
+    if len(set(axes)) != len(axes):
+        raise ValueError(f"`axis_name` names an axis twice: {axis_name!r}.")
+    return axes
+
+
+def bound_axes(axis_name: AxisName, fn: str) -> tuple[str, ...]:
+    """Normalised axes, after checking they are bound by the enclosing shard_map."""
+    axes = normalize_axes(axis_name)
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        raise ValueError(NOT_IN_SHARD_MAP.format(fn=fn, axes=axes))
+    missing = [a for a in axes if a not in mesh.axis_names]
+    if missing:
+        raise ValueError(
+            UNKNOWN_AXIS.format(
+                fn=fn, missing=missing, names=mesh.axis_names, sizes=tuple(mesh.shape.values())
+            )
+        )
+    return axes
+
+
+def axes_size(axes: tuple[str, ...]) -> int:
+    """Product of the sizes of ``axes`` in the current (abstract) mesh."""
+    shape = jax.sharding.get_abstract_mesh().shape
+    return math.prod(shape[a] for a in axes)
+
+
+def mesh_axes_size(mesh: Any, axis_name: AxisName, fn: str) -> int:
+    """Size of ``axis_name`` in a concrete ``mesh``, with a clear error if absent."""
+    axes = normalize_axes(axis_name)
+    missing = [a for a in axes if a not in mesh.axis_names]
+    if missing:
+        raise ValueError(
+            UNKNOWN_AXIS.format(
+                fn=fn, missing=missing, names=mesh.axis_names, sizes=tuple(mesh.shape.values())
+            )
+        )
+    return math.prod(mesh.shape[a] for a in axes)
+
+
+def varying_axes(x: Any) -> frozenset[str]:
+    """Mesh axes over which ``x`` is typed device-varying (empty outside shard_map)."""
+    aval = jax.typeof(x)
+    vma = getattr(aval, "vma", None)
+    if vma is None:
+        mat = getattr(aval, "manual_axis_type", None)
+        vma = getattr(mat, "varying", frozenset())
+    return frozenset(vma)
+
+
+def to_varying(tree: Any, axes: tuple[str, ...]) -> Any:
+    """Marks every leaf device-varying over ``axes`` (no-op where it already is).
+
+    Differentiating w.r.t. this view yields each device's *local* gradient; w.r.t.
+    a replicated (invariant) value JAX would insert a hidden all-reduce instead.
+    """
+
+    def cast(x: Any) -> Any:
+        todo = tuple(a for a in axes if a not in varying_axes(x))
+        return jax.lax.pcast(x, todo, to="varying") if todo else x
+
+    return jax.tree.map(cast, tree)
+
+
+def rank(axes: tuple[str, ...]) -> jax.Array:
+    """Linear index of this device over ``axes`` (row-major, first axis slowest)."""
+    return jax.lax.axis_index(axes)

@@ -1,0 +1,47 @@
+"""Placing the global batch on the mesh, one process-local part per host."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from .axes import AxisName, mesh_axes_size, normalize_axes
+
+PyTree = Any
+
+
+def shard_batch(batch: PyTree, mesh: Mesh, *, axis_name: AxisName = "data") -> PyTree:
+    """Shards every leaf's leading (batch) axis over ``axis_name`` of ``mesh``.
+
+    With one process ``batch`` is the global batch. With several processes each
+    passes only its own part (the rows its addressable devices hold), as
+    ``jax.make_array_from_process_local_data`` expects; the global batch is the
+    concatenation over processes in process order.
+
+    Raises:
+      ValueError: a leaf is a scalar or its batch size does not divide evenly.
+    """
+    axes = normalize_axes(axis_name)
+    n = mesh_axes_size(mesh, axes, "jaxsync.shard_batch")
+    sharding = NamedSharding(mesh, P(axes))
+    nproc = jax.process_count()
+
+    def put(path: Any, x: Any) -> jax.Array:
+        shape = np.shape(x)
+        global_rows = shape[0] * nproc if shape else None
+        if global_rows is None or global_rows % n:
+            raise ValueError(
+                f"batch leaf {jax.tree_util.keystr(path)} has shape {shape}; its leading "
+                f"(batch) axis{' summed over ' + str(nproc) + ' processes' if nproc > 1 else ''}"
+                f" must divide evenly over axis {axes} of size {n}. Use a global batch "
+                f"size that is a multiple of {n}."
+            )
+        if nproc == 1:
+            return jax.device_put(x, sharding)
+        return jax.make_array_from_process_local_data(sharding, np.asarray(x))
+
+    return jax.tree_util.tree_map_with_path(put, batch)

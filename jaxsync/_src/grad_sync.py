@@ -1,0 +1,207 @@
+"""Data-parallel gradient sync: local gradients, accumulation, bucketed all-reduce.
+
+The one trap in JAX data parallelism is that, inside ``shard_map``, ``jax.grad``
+w.r.t. replicated params already returns all-reduced gradients (the transpose
+of the implicit ``pvary`` is a ``psum``). Syncing those again reduces twice and
+hides a full-model all-reduce from any bucketing. :func:`value_and_grad` owns
+that step: it differentiates a device-varying view of the params, so what comes
+back is each device's *local* gradient and every reduction is ours to plan.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .axes import AxisName, bound_axes, rank, to_varying
+from .collectives import bucket_all_reduce
+from .layout import BufferKey, Layout, build_layout
+
+PyTree = Any
+
+
+def value_and_grad(
+    fun: Callable[..., Any],
+    *,
+    axis_name: AxisName,
+    argnums: int | Sequence[int] = 0,
+    has_aux: bool = False,
+) -> Callable[..., Any]:
+    """Like ``jax.value_and_grad``, but returns this device's local gradients.
+
+    Use it inside ``jax.shard_map``. The differentiated arguments are first
+    marked device-varying over ``axis_name`` (``jax.lax.pcast``), so no hidden
+    all-reduce is inserted; reduce the result with :func:`all_reduce_grads` or
+    the distributed optimizer. The returned value is the local (per-device)
+    loss; ``jax.lax.pmean`` it for logging.
+
+    Example:
+      >>> loss, grads = jaxsync.value_and_grad(loss_fn, axis_name="data")(params, batch)
+      >>> grads = jaxsync.all_reduce_grads(grads, axis_name="data")
+    """
+    vg = jax.value_and_grad(fun, argnums=argnums, has_aux=has_aux)
+    nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        axes = bound_axes(axis_name, "jaxsync.value_and_grad")
+        args = list(args)
+        for i in nums:
+            args[i] = to_varying(args[i], axes)
+        return vg(*args, **kwargs)
+
+    return wrapped
+
+
+def accumulate_grads(
+    fun: Callable[..., Any],
+    params: PyTree,
+    microbatches: PyTree,
+    *,
+    axis_name: AxisName,
+    has_aux: bool = False,
+    accum_dtype: Any = jnp.float32,
+) -> tuple[Any, PyTree]:
+    """Mean loss and mean *local* gradients over microbatches, with no communication.
+
+    This is Megatron's ``no_sync``: gradients of every microbatch are summed
+    locally in ``accum_dtype`` (a ``lax.scan``, so memory stays at one
+    microbatch), and only the result is synced once, by the caller.
+
+    Args:
+      fun: ``fun(params, microbatch) -> loss`` (or ``(loss, aux)`` with ``has_aux``).
+      params: the parameters.
+      microbatches: pytree whose leaves have a leading microbatch axis.
+      axis_name: the data-parallel axes (see :func:`value_and_grad`).
+      has_aux: whether ``fun`` returns ``(loss, aux)``; aux of the last microbatch
+        is returned.
+      accum_dtype: dtype the gradients are summed in.
+
+    Returns:
+      ``(loss, grads)`` or ``((loss, aux), grads)``: means over microbatches,
+      grads in ``accum_dtype``.
+    """
+    leaves = jax.tree.leaves(microbatches)
+    if not leaves:
+        raise ValueError("`microbatches` is empty; pass a pytree of stacked microbatches.")
+    counts = {leaf.shape[0] if leaf.ndim else None for leaf in leaves}
+    if len(counts) != 1 or None in counts:
+        raise ValueError(
+            "every leaf of `microbatches` needs the same leading (microbatch) axis; "
+            f"got leading sizes {sorted(str(c) for c in counts)}."
+        )
+    (n,) = counts
+    axes = bound_axes(axis_name, "jaxsync.accumulate_grads")
+    vg = value_and_grad(fun, axis_name=axes, has_aux=has_aux)
+    zeros = to_varying(
+        jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), accum_dtype), params), axes
+    )
+
+    def body(acc: PyTree, mb: PyTree) -> tuple[PyTree, Any]:
+        out, g = vg(params, mb)
+        acc = jax.tree.map(lambda a, x: a + x.astype(accum_dtype), acc, g)
+        return acc, out
+
+    total, outs = jax.lax.scan(body, zeros, microbatches)
+    grads = jax.tree.map(lambda g: g / n, total)
+    if has_aux:
+        losses, aux = outs
+        return (jnp.mean(losses), jax.tree.map(lambda a: a[-1], aux)), grads
+    return jnp.mean(outs), grads
+
+
+def _sync_layout(grads: PyTree, axes: tuple[str, ...], bucket_size: int | None) -> Layout:
+    return build_layout(
+        grads,
+        num_shards=1,
+        bucket_size=bucket_size,
+        key_fn=lambda _, leaf: BufferKey(jnp.dtype(leaf.dtype).name, axes),
+    )
+
+
+def all_reduce_grads(
+    grads: PyTree,
+    *,
+    axis_name: AxisName,
+    bucket_size: int | None = None,
+    reduce_dtype: Any = jnp.float32,
+    average: bool = True,
+) -> PyTree:
+    """Bucketed all-reduce of local gradients (plain data parallelism).
+
+    Args:
+      grads: local gradients, e.g. from :func:`value_and_grad`.
+      axis_name: data-parallel axis name or tuple of names.
+      bucket_size: elements per bucket; ``None`` for one bucket per dtype.
+      reduce_dtype: dtype of the reduction (fp32 for bf16/fp16 models, as
+        Megatron's ``grad_reduce_in_fp32``); ``None`` keeps the grad dtype.
+      average: mean over ranks (``True``) or sum.
+
+    Returns:
+      The reduced gradients, each in its original dtype, typed replicated.
+    """
+    axes = bound_axes(axis_name, "jaxsync.all_reduce_grads")
+    layout = _sync_layout(grads, axes, bucket_size)
+    return bucket_all_reduce(
+        grads, layout, axis_name=axes, reduce_dtype=reduce_dtype, average=average
+    )
+
+
+def nonfinite_grads(grads: PyTree, *, axis_name: AxisName | None = None) -> PyTree:
+    """Per-leaf flags: ``True`` where this device's gradient holds NaN or Inf.
+
+    Megatron's ``check_for_nan_in_grad``, as data. Call it on local gradients,
+    before communication, so the flags say *which rank* produced the bad value.
+    With ``axis_name`` each flag gets a leading axis of size 1, so returning the
+    tree from shard_map with ``out_specs=P(axis_name)`` stacks one row per rank;
+    feed that to :func:`raise_if_nonfinite`.
+    """
+    flags = jax.tree.map(lambda g: jnp.logical_not(jnp.all(jnp.isfinite(g))), grads)
+    if axis_name is None:
+        return flags
+    bound_axes(axis_name, "jaxsync.nonfinite_grads")
+    return jax.tree.map(lambda f: f[None], flags)
+
+
+def raise_if_nonfinite(flags: PyTree) -> None:
+    """Raises ``FloatingPointError`` naming every param and rank with NaN/Inf grads.
+
+    Args:
+      flags: the tree from :func:`nonfinite_grads` (leaves: bools, or one bool per
+        rank as returned through ``out_specs=P(axis_name)``). Runs on the host.
+    """
+    bad = []
+    for path, leaf in jax.tree_util.tree_flatten_with_path(flags)[0]:
+        ranks = [int(i) for i in np.flatnonzero(np.ravel(jax.device_get(leaf)))]
+        if ranks:
+            bad.append(f"  {jax.tree_util.keystr(path)} on rank(s) {ranks}")
+    if bad:
+        raise FloatingPointError(
+            "non-finite gradients (NaN or Inf) before the data-parallel sync:\n"
+            + "\n".join(bad)
+            + "\nLower the learning rate, use loss scaling for fp16, or check the data "
+            "those ranks were fed."
+        )
+
+
+def broadcast_params(
+    params: PyTree,
+    *,
+    axis_name: AxisName,
+    src: int = 0,
+    bucket_size: int | None = None,
+) -> PyTree:
+    """Makes every replica's params equal to rank ``src``'s (Megatron's broadcast).
+
+    Bucketed like the gradient sync: one masked ``psum`` per bucket. The result
+    is typed replicated. Use it after initialising replicas independently.
+    """
+    axes = bound_axes(axis_name, "jaxsync.broadcast_params")
+    layout = _sync_layout(params, axes, bucket_size)
+    mine = to_varying(params, axes)
+    keep = rank(axes) == src
+    masked = jax.tree.map(lambda p: jnp.where(keep, p, jnp.zeros_like(p)), mine)
+    return bucket_all_reduce(masked, layout, axis_name=axes, reduce_dtype=None, average=False)

@@ -1,0 +1,75 @@
+"""Small models and reference training loops shared by the tests."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def mlp_params(key, sizes=(12, 33, 17, 5), dtype=jnp.float32):
+    """A small MLP with odd sizes, so params never divide evenly over ranks."""
+    params = {}
+    for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:], strict=True)):
+        key, k1, k2 = jax.random.split(key, 3)
+        params[f"layer{i}"] = {
+            "w": (jax.random.normal(k1, (a, b)) / np.sqrt(a)).astype(dtype),
+            "b": (0.1 * jax.random.normal(k2, (b,))).astype(dtype),
+        }
+    params["scale"] = jnp.ones((), dtype)
+    return params
+
+
+def mlp_loss(params, batch):
+    x, y = batch
+    h = x.astype(jnp.float32)
+    n = len([k for k in params if k.startswith("layer")])
+    for i in range(n):
+        layer = params[f"layer{i}"]
+        h = h @ layer["w"].astype(jnp.float32) + layer["b"].astype(jnp.float32)
+        if i < n - 1:
+            h = jnp.tanh(h)
+    h = h * params["scale"].astype(jnp.float32)
+    return jnp.mean((h - y) ** 2)
+
+
+def make_batches(key, steps, batch, sizes=(12, 33, 17, 5)):
+    kx, ky = jax.random.split(key)
+    xs = jax.random.normal(kx, (steps, batch, sizes[0]))
+    ys = jax.random.normal(ky, (steps, batch, sizes[-1]))
+    return xs, ys
+
+
+COLLECTIVES = ("all-reduce", "reduce-scatter", "all-gather", "collective-permute", "all-to-all")
+
+
+def count_collectives(hlo_text: str) -> dict[str, int]:
+    """Arrays moved by each kind of collective in compiled HLO text.
+
+    XLA's combiner passes may merge several of our per-bucket collectives into
+    one tuple-shaped op, so an op with a tuple result counts once per element:
+    the count is the number of buffers communicated, which is what the plan fixes.
+    """
+    ops = dict.fromkeys(COLLECTIVES, 0)
+    for line in hlo_text.splitlines():
+        if "=" not in line:
+            continue
+        rhs = line.split("=", 1)[1]
+        for op in ops:
+            for form in (f" {op}(", f" {op}-start("):
+                if form in rhs:
+                    result = rhs.split(form)[0].strip()
+                    if op in ("all-gather", "all-reduce") and form.endswith("-start("):
+                        # async start ops carry (operands, results): count results
+                        ops[op] += max(1, result.count("[") // 2)
+                    else:
+                        ops[op] += max(1, result.count("["))
+    return ops
+
+
+def count_lowered_collectives(lowered_text: str) -> dict[str, int]:
+    """Collectives as jaxsync emitted them (StableHLO, before XLA's passes)."""
+    names = {"all-reduce": "stablehlo.all_reduce", "reduce-scatter": "stablehlo.reduce_scatter",
+             "all-gather": "stablehlo.all_gather", "collective-permute":
+             "stablehlo.collective_permute", "all-to-all": "stablehlo.all_to_all"}
+    return {k: lowered_text.count(f'"{v}"') + lowered_text.count(f" {v}(") for k, v in names.items()}

@@ -1,0 +1,258 @@
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxsync
+from helpers import count_collectives, count_lowered_collectives, make_batches, mlp_loss, mlp_params
+
+STEPS = 4
+GLOBAL_BATCH = 32
+
+
+def single_device_run(params, opt, batches, compute_dtype=None):
+    """Reference: plain optax on one device with the same global batches."""
+    state = opt.init(params)
+
+    @jax.jit
+    def step(params, state, batch):
+        p32 = params if compute_dtype is None else jax.tree.map(
+            lambda p: p.astype(compute_dtype), params)
+        grads = jax.grad(mlp_loss)(p32, batch)
+        updates, state = opt.update(grads, state, p32)
+        new = optax.apply_updates(p32, updates)
+        if compute_dtype is not None:
+            new = jax.tree.map(lambda n, p: n.astype(p.dtype), new, params)
+        return new, state
+
+    xs, ys = batches
+    for i in range(xs.shape[0]):
+        params, state = step(params, state, (xs[i], ys[i]))
+    return params
+
+
+def dp_run(mesh, params, opt, batches, bucket_size, reduce_dtype=jnp.float32):
+    state = opt.init(params)
+
+    @jax.jit
+    @partial(jax.shard_map, mesh=mesh, in_specs=(P(), P(), P("data")), out_specs=(P(), P(), P()))
+    def step(params, state, batch):
+        loss, grads = jaxsync.value_and_grad(mlp_loss, axis_name="data")(params, batch)
+        grads = jaxsync.all_reduce_grads(
+            grads, axis_name="data", bucket_size=bucket_size, reduce_dtype=reduce_dtype)
+        updates, state = opt.update(grads, state, params)
+        return optax.apply_updates(params, updates), state, jax.lax.pmean(loss, "data")
+
+    xs, ys = batches
+    for i in range(xs.shape[0]):
+        batch = jaxsync.shard_batch((xs[i], ys[i]), mesh, axis_name="data")
+        params, state, _ = step(params, state, batch)
+    return params
+
+
+@pytest.mark.parametrize("opt_name", ["sgd", "adam"])
+@pytest.mark.parametrize("bucket_size", [None, 100, 700])
+def test_data_parallel_equals_single_device(mesh8, opt_name, bucket_size):
+    opt = optax.sgd(0.1) if opt_name == "sgd" else optax.adam(1e-2)
+    params = mlp_params(jax.random.PRNGKey(0))
+    batches = make_batches(jax.random.PRNGKey(1), STEPS, GLOBAL_BATCH)
+    ref = single_device_run(params, opt, batches)
+    got = dp_run(mesh8, params, opt, batches, bucket_size)
+    moved = max(float(jnp.max(jnp.abs(a - b))) for a, b in
+                zip(jax.tree.leaves(ref), jax.tree.leaves(params), strict=True))
+    assert moved > 1e-3  # training actually changed the params
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6), ref, got)
+
+
+def test_bf16_params_with_fp32_reduction(mesh8):
+    opt = optax.sgd(0.1)
+    params = mlp_params(jax.random.PRNGKey(0), dtype=jnp.bfloat16)
+    batches = make_batches(jax.random.PRNGKey(1), STEPS, GLOBAL_BATCH)
+    # Reference: same bf16 params, grads in fp32 math on one device, update in fp32,
+    # stored back in bf16.
+    ref = single_device_run(params, opt, batches, compute_dtype=jnp.float32)
+
+    state = opt.init(params)
+
+    @jax.jit
+    @partial(jax.shard_map, mesh=mesh8, in_specs=(P(), P(), P("data")), out_specs=(P(), P()))
+    def step(params, state, batch):
+        p32 = jax.tree.map(lambda p: p.astype(jnp.float32), params)
+        _, grads = jaxsync.value_and_grad(mlp_loss, axis_name="data")(p32, batch)
+        grads = jaxsync.all_reduce_grads(grads, axis_name="data", bucket_size=200)
+        updates, state = opt.update(grads, state, p32)
+        new = optax.apply_updates(p32, updates)
+        return jax.tree.map(lambda n, p: n.astype(p.dtype), new, params), state
+
+    xs, ys = batches
+    for i in range(STEPS):
+        params, state = step(params, state, jaxsync.shard_batch((xs[i], ys[i]), mesh8))
+    mismatched = 0
+    for a, b in zip(jax.tree.leaves(ref), jax.tree.leaves(params), strict=True):
+        assert a.dtype == b.dtype == jnp.bfloat16
+        a32, b32 = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        # equal to bf16 rounding: at most one bf16 ulp apart
+        np.testing.assert_allclose(a32, b32, rtol=2**-7, atol=1e-6)
+        mismatched += int(np.sum(a32 != b32))
+    assert mismatched <= 0.02 * sum(p.size for p in jax.tree.leaves(params))
+
+
+def test_bf16_grads_reduced_in_fp32(mesh8):
+    """The collective itself runs in fp32 (read from HLO) and the values match."""
+    g = jax.random.normal(jax.random.PRNGKey(3), (8, 300)).astype(jnp.bfloat16)
+
+    def compiled(reduce_dtype):
+        @jax.jit
+        @partial(jax.shard_map, mesh=mesh8, in_specs=P("data"), out_specs=P())
+        def f(v):
+            return jaxsync.all_reduce_grads({"w": v[0]}, axis_name="data",
+                                            reduce_dtype=reduce_dtype)["w"]
+        return f.lower(jax.device_put(g, NamedSharding(mesh8, P("data"))))
+
+    def reduce_types(lowered):
+        # The program as jaxsync emitted it (XLA:CPU later widens bf16 reductions
+        # itself, so the compiled text would not tell the two apart).
+        lines = lowered.as_text().splitlines()
+        return {lines[i + j].split("->")[-1].split("x")[-1].rstrip(">")
+                for i, line in enumerate(lines) if "stablehlo.all_reduce" in line
+                for j in range(1, 8) if i + j < len(lines) and "}) :" in lines[i + j]}
+
+    assert reduce_types(compiled(jnp.float32)) == {"f32"}
+    assert reduce_types(compiled(None)) == {"bf16"}
+    out = compiled(jnp.float32).compile()(jax.device_put(g, NamedSharding(mesh8, P("data"))))
+    assert out.dtype == jnp.bfloat16
+    expect = (np.asarray(g, np.float32) / 8).sum(0).astype(jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(expect))
+
+
+def _compiled_step_text(mesh, bucket_size, local=True):
+    params = mlp_params(jax.random.PRNGKey(0))
+    xs, ys = make_batches(jax.random.PRNGKey(1), 1, GLOBAL_BATCH)
+    batch = jaxsync.shard_batch((xs[0], ys[0]), mesh)
+
+    @jax.jit
+    @partial(jax.shard_map, mesh=mesh, in_specs=(P(), P("data")), out_specs=P())
+    def step(params, batch):
+        if local:
+            _, grads = jaxsync.value_and_grad(mlp_loss, axis_name="data")(params, batch)
+            return jaxsync.all_reduce_grads(grads, axis_name="data", bucket_size=bucket_size)
+        grads = jax.grad(mlp_loss)(params, batch)  # already all-reduced by JAX
+        return jaxsync.all_reduce_grads(grads, axis_name="data", bucket_size=bucket_size)
+
+    return step.lower(params, batch)
+
+
+@pytest.mark.parametrize("bucket_size, buckets", [(None, 1), (600, 2), (1, 7)])
+def test_compiled_step_has_one_all_reduce_per_bucket(mesh8, bucket_size, buckets):
+    params = mlp_params(jax.random.PRNGKey(0))
+    layout = jaxsync.build_layout(params, bucket_size=bucket_size)
+    assert layout.num_buckets == buckets
+    lowered = _compiled_step_text(mesh8, bucket_size)
+    expect = {"all-reduce": buckets, "reduce-scatter": 0, "all-gather": 0,
+              "collective-permute": 0, "all-to-all": 0}
+    assert count_lowered_collectives(lowered.as_text()) == expect
+    assert count_collectives(lowered.compile().as_text()) == expect
+
+
+def test_plain_grad_hides_an_all_reduce(mesh8):
+    """Why value_and_grad exists: plain jax.grad of P() params adds all-reduces."""
+    ops = count_collectives(_compiled_step_text(mesh8, None, local=False).compile().as_text())
+    assert ops["all-reduce"] > 1
+
+
+def test_accumulation_equals_one_big_batch(mesh8):
+    params = mlp_params(jax.random.PRNGKey(0))
+    xs, ys = make_batches(jax.random.PRNGKey(1), 1, 64)
+    x, y = xs[0], ys[0]
+
+    @jax.jit
+    @partial(jax.shard_map, mesh=mesh8, in_specs=(P(), P("data")), out_specs=(P(), P()))
+    def big(params, batch):
+        loss, g = jaxsync.value_and_grad(mlp_loss, axis_name="data")(params, batch)
+        return jax.lax.pmean(loss, "data"), jaxsync.all_reduce_grads(g, axis_name="data")
+
+    @jax.jit
+    @partial(jax.shard_map, mesh=mesh8, in_specs=(P(), P(None, "data")), out_specs=(P(), P()))
+    def micro(params, mbs):
+        loss, g = jaxsync.accumulate_grads(mlp_loss, params, mbs, axis_name="data")
+        return jax.lax.pmean(loss, "data"), jaxsync.all_reduce_grads(g, axis_name="data")
+
+    loss_a, ga = big(params, jaxsync.shard_batch((x, y), mesh8))
+    # 4 microbatches of 16; each device's rows are the same in both runs.
+    mb = jax.tree.map(lambda a: a.reshape(8, 4, 2, *a.shape[1:]).transpose(1, 0, 2, *range(3, a.ndim + 2)).reshape(4, 16, *a.shape[1:]), (x, y))
+    mb = jax.device_put(mb, NamedSharding(mesh8, P(None, "data")))
+    loss_b, gb = micro(params, mb)
+    np.testing.assert_allclose(loss_a, loss_b, rtol=1e-6)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), ga, gb)
+    ops = count_collectives(micro.lower(params, mb).compile().as_text())
+    assert ops["all-reduce"] == 2  # one bucket of grads + the loss; none per microbatch
+
+
+def test_nonfinite_flags_name_param_and_rank(mesh8):
+    params = mlp_params(jax.random.PRNGKey(0))
+    xs, ys = make_batches(jax.random.PRNGKey(1), 1, GLOBAL_BATCH)
+    x = xs[0].at[13, 0].set(jnp.inf)  # row 13 lives on rank 3 (4 rows per rank)
+
+    @jax.jit
+    @partial(jax.shard_map, mesh=mesh8, in_specs=(P(), P("data")), out_specs=P("data"))
+    def check(params, batch):
+        _, g = jaxsync.value_and_grad(mlp_loss, axis_name="data")(params, batch)
+        return jaxsync.nonfinite_grads(g, axis_name="data")
+
+    flags = check(params, jaxsync.shard_batch((x, ys[0]), mesh8))
+    assert flags["layer0"]["w"].shape == (8,)
+    assert list(np.flatnonzero(flags["layer0"]["w"])) == [3]
+    with pytest.raises(FloatingPointError, match=r"\['layer0'\]\['w'\] on rank\(s\) \[3\]"):
+        jaxsync.raise_if_nonfinite(flags)
+    clean = check(params, jaxsync.shard_batch((xs[0], ys[0]), mesh8))
+    jaxsync.raise_if_nonfinite(clean)  # no error
+
+
+def test_broadcast_params_makes_replicas_equal(mesh8):
+    @jax.jit
+    @partial(jax.shard_map, mesh=mesh8, in_specs=P("data"), out_specs=(P(), P("data")))
+    def bcast(keys):
+        params = mlp_params(keys[0])  # each rank initialises differently
+        mine = jax.tree.map(lambda p: p[None], params)
+        return jaxsync.broadcast_params(params, axis_name="data", bucket_size=300), mine
+
+    keys = jax.random.split(jax.random.PRNGKey(7), 8)
+    out, before = bcast(jax.device_put(keys, NamedSharding(mesh8, P("data"))))
+    before = jax.device_get(before)
+    assert not np.array_equal(before["layer0"]["w"][0], before["layer0"]["w"][1])
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, b[0]), out, before)
+
+
+def test_unknown_axis_names_mesh_axes(mesh8):
+    @partial(jax.shard_map, mesh=mesh8, in_specs=P(), out_specs=P())
+    def f(params):
+        return jaxsync.all_reduce_grads(params, axis_name="dat")
+
+    with pytest.raises(ValueError, match=r"\['dat'\] is not an axis of the mesh.*\('data',\)"):
+        jax.jit(f)({"w": jnp.zeros(3)})
+
+
+def test_outside_shard_map_is_an_error():
+    with pytest.raises(ValueError, match="inside `jax.shard_map`"):
+        jaxsync.all_reduce_grads({"w": jnp.zeros(3)}, axis_name="data")
+
+
+def test_batch_not_divisible(mesh8):
+    with pytest.raises(ValueError, match=r"batch leaf \[0\] has shape \(12, 3\).*size 8"):
+        jaxsync.shard_batch((jnp.zeros((12, 3)),), mesh8, axis_name="data")
+    with pytest.raises(ValueError, match="not an axis of the mesh"):
+        jaxsync.shard_batch(jnp.zeros((16, 3)), mesh8, axis_name="batch")
+
+
+def test_integer_param_rejected(mesh8):
+    @partial(jax.shard_map, mesh=mesh8, in_specs=P(), out_specs=P())
+    def f(params):
+        return jaxsync.all_reduce_grads(params, axis_name="data")
+
+    with pytest.raises(TypeError, match=r"\['count'\] has dtype int32"):
+        jax.jit(f)({"w": jnp.zeros(3), "count": jnp.zeros((), jnp.int32)})
