@@ -18,11 +18,23 @@ from jaxsync._src.layout import Layout as Layout
 from jaxsync._src.layout import ParamSlot as ParamSlot
 from jaxsync._src.layout import PieceRange as PieceRange
 from jaxsync._src.layout import build_layout as build_layout
+from jaxsync._src.loss_scale import DynamicLossScale as DynamicLossScale
+from jaxsync._src.loss_scale import LossScaleState as LossScaleState
+from jaxsync._src.optimizer import DistributedOptimizer as DistributedOptimizer
+from jaxsync._src.optimizer import DistributedOptimizerState as DistributedOptimizerState
+from jaxsync._src.optimizer import StepMetrics as StepMetrics
+from jaxsync._src.optimizer import distributed_optimizer as distributed_optimizer
+from jaxsync._src.optimizer import sync_grads as sync_grads
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Bucket",
+    "DistributedOptimizer",
+    "DistributedOptimizerState",
+    "DynamicLossScale",
+    "LossScaleState",
+    "StepMetrics",
     "Buffer",
     "BufferKey",
     "Layout",
@@ -35,9 +47,11 @@ __all__ = [
     "bucket_all_reduce",
     "bucket_reduce_scatter",
     "build_layout",
+    "distributed_optimizer",
     "nonfinite_grads",
     "normalize_axes",
     "raise_if_nonfinite",
     "shard_batch",
+    "sync_grads",
     "value_and_grad",
 ]

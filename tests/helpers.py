@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -69,7 +71,65 @@ def count_collectives(hlo_text: str) -> dict[str, int]:
 
 def count_lowered_collectives(lowered_text: str) -> dict[str, int]:
     """Collectives as jaxsync emitted them (StableHLO, before XLA's passes)."""
-    names = {"all-reduce": "stablehlo.all_reduce", "reduce-scatter": "stablehlo.reduce_scatter",
-             "all-gather": "stablehlo.all_gather", "collective-permute":
-             "stablehlo.collective_permute", "all-to-all": "stablehlo.all_to_all"}
-    return {k: lowered_text.count(f'"{v}"') + lowered_text.count(f" {v}(") for k, v in names.items()}
+    names = {
+        "all-reduce": "stablehlo.all_reduce",
+        "reduce-scatter": "stablehlo.reduce_scatter",
+        "all-gather": "stablehlo.all_gather",
+        "collective-permute": "stablehlo.collective_permute",
+        "all-to-all": "stablehlo.all_to_all",
+    }
+    return {
+        k: lowered_text.count(f'"{v}"') + lowered_text.count(f" {v}(") for k, v in names.items()
+    }
+
+
+def run_sharded(mesh, tx, params, batches, loss_fn=mlp_loss, axis="data", scale_loss=False):
+    """Trains with a jaxsync sharded optimizer inside shard_map; returns params, state."""
+    import optax
+    from jax.sharding import PartitionSpec as P
+
+    import jaxsync
+
+    state = tx.sharded_init(params, mesh)
+    specs = tx.state_specs(params, mesh)
+
+    @jax.jit
+    @partial(jax.shard_map, mesh=mesh, in_specs=(P(), specs, P(axis)), out_specs=(P(), specs))
+    def step(params, state, batch):
+        def scaled(p, b):
+            loss = loss_fn(p, b)
+            return loss * state.loss_scale.scale.astype(loss.dtype) if scale_loss else loss
+
+        _, grads = jaxsync.value_and_grad(scaled, axis_name=axis)(params, batch)
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    xs, ys = batches
+    for i in range(xs.shape[0]):
+        params, state = step(
+            params, state, jaxsync.shard_batch((xs[i], ys[i]), mesh, axis_name=axis)
+        )
+    return params, state
+
+
+def run_reference(opt, params, batches, loss_fn=mlp_loss, master_dtype=None):
+    """Plain optax on one device; with ``master_dtype`` an fp32 master copy is kept."""
+    import optax
+
+    master = (
+        params if master_dtype is None else jax.tree.map(lambda p: p.astype(master_dtype), params)
+    )
+    state = opt.init(master)
+
+    @jax.jit
+    def step(master, state, batch):
+        model = jax.tree.map(lambda m, p: m.astype(p.dtype), master, params)
+        grads = jax.grad(loss_fn)(model, batch)
+        grads = jax.tree.map(lambda g, m: g.astype(m.dtype), grads, master)
+        updates, state = opt.update(grads, state, master)
+        return optax.apply_updates(master, updates), state
+
+    xs, ys = batches
+    for i in range(xs.shape[0]):
+        master, state = step(master, state, (xs[i], ys[i]))
+    return jax.tree.map(lambda m, p: m.astype(p.dtype), master, params), master

@@ -5,11 +5,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import count_collectives, count_lowered_collectives, make_batches, mlp_loss, mlp_params
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxsync
-from helpers import count_collectives, count_lowered_collectives, make_batches, mlp_loss, mlp_params
 
 STEPS = 4
 GLOBAL_BATCH = 32
@@ -21,8 +21,11 @@ def single_device_run(params, opt, batches, compute_dtype=None):
 
     @jax.jit
     def step(params, state, batch):
-        p32 = params if compute_dtype is None else jax.tree.map(
-            lambda p: p.astype(compute_dtype), params)
+        p32 = (
+            params
+            if compute_dtype is None
+            else jax.tree.map(lambda p: p.astype(compute_dtype), params)
+        )
         grads = jax.grad(mlp_loss)(p32, batch)
         updates, state = opt.update(grads, state, p32)
         new = optax.apply_updates(p32, updates)
@@ -44,7 +47,8 @@ def dp_run(mesh, params, opt, batches, bucket_size, reduce_dtype=jnp.float32):
     def step(params, state, batch):
         loss, grads = jaxsync.value_and_grad(mlp_loss, axis_name="data")(params, batch)
         grads = jaxsync.all_reduce_grads(
-            grads, axis_name="data", bucket_size=bucket_size, reduce_dtype=reduce_dtype)
+            grads, axis_name="data", bucket_size=bucket_size, reduce_dtype=reduce_dtype
+        )
         updates, state = opt.update(grads, state, params)
         return optax.apply_updates(params, updates), state, jax.lax.pmean(loss, "data")
 
@@ -63,8 +67,10 @@ def test_data_parallel_equals_single_device(mesh8, opt_name, bucket_size):
     batches = make_batches(jax.random.PRNGKey(1), STEPS, GLOBAL_BATCH)
     ref = single_device_run(params, opt, batches)
     got = dp_run(mesh8, params, opt, batches, bucket_size)
-    moved = max(float(jnp.max(jnp.abs(a - b))) for a, b in
-                zip(jax.tree.leaves(ref), jax.tree.leaves(params), strict=True))
+    moved = max(
+        float(jnp.max(jnp.abs(a - b)))
+        for a, b in zip(jax.tree.leaves(ref), jax.tree.leaves(params), strict=True)
+    )
     assert moved > 1e-3  # training actually changed the params
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6), ref, got)
 
@@ -110,17 +116,23 @@ def test_bf16_grads_reduced_in_fp32(mesh8):
         @jax.jit
         @partial(jax.shard_map, mesh=mesh8, in_specs=P("data"), out_specs=P())
         def f(v):
-            return jaxsync.all_reduce_grads({"w": v[0]}, axis_name="data",
-                                            reduce_dtype=reduce_dtype)["w"]
+            return jaxsync.all_reduce_grads(
+                {"w": v[0]}, axis_name="data", reduce_dtype=reduce_dtype
+            )["w"]
+
         return f.lower(jax.device_put(g, NamedSharding(mesh8, P("data"))))
 
     def reduce_types(lowered):
         # The program as jaxsync emitted it (XLA:CPU later widens bf16 reductions
         # itself, so the compiled text would not tell the two apart).
         lines = lowered.as_text().splitlines()
-        return {lines[i + j].split("->")[-1].split("x")[-1].rstrip(">")
-                for i, line in enumerate(lines) if "stablehlo.all_reduce" in line
-                for j in range(1, 8) if i + j < len(lines) and "}) :" in lines[i + j]}
+        return {
+            lines[i + j].split("->")[-1].split("x")[-1].rstrip(">")
+            for i, line in enumerate(lines)
+            if "stablehlo.all_reduce" in line
+            for j in range(1, 8)
+            if i + j < len(lines) and "}) :" in lines[i + j]
+        }
 
     assert reduce_types(compiled(jnp.float32)) == {"f32"}
     assert reduce_types(compiled(None)) == {"bf16"}
@@ -153,8 +165,13 @@ def test_compiled_step_has_one_all_reduce_per_bucket(mesh8, bucket_size, buckets
     layout = jaxsync.build_layout(params, bucket_size=bucket_size)
     assert layout.num_buckets == buckets
     lowered = _compiled_step_text(mesh8, bucket_size)
-    expect = {"all-reduce": buckets, "reduce-scatter": 0, "all-gather": 0,
-              "collective-permute": 0, "all-to-all": 0}
+    expect = {
+        "all-reduce": buckets,
+        "reduce-scatter": 0,
+        "all-gather": 0,
+        "collective-permute": 0,
+        "all-to-all": 0,
+    }
     assert count_lowered_collectives(lowered.as_text()) == expect
     assert count_collectives(lowered.compile().as_text()) == expect
 
@@ -184,7 +201,14 @@ def test_accumulation_equals_one_big_batch(mesh8):
 
     loss_a, ga = big(params, jaxsync.shard_batch((x, y), mesh8))
     # 4 microbatches of 16; each device's rows are the same in both runs.
-    mb = jax.tree.map(lambda a: a.reshape(8, 4, 2, *a.shape[1:]).transpose(1, 0, 2, *range(3, a.ndim + 2)).reshape(4, 16, *a.shape[1:]), (x, y))
+    mb = jax.tree.map(
+        lambda a: (
+            a.reshape(8, 4, 2, *a.shape[1:])
+            .transpose(1, 0, 2, *range(3, a.ndim + 2))
+            .reshape(4, 16, *a.shape[1:])
+        ),
+        (x, y),
+    )
     mb = jax.device_put(mb, NamedSharding(mesh8, P(None, "data")))
     loss_b, gb = micro(params, mb)
     np.testing.assert_allclose(loss_a, loss_b, rtol=1e-6)

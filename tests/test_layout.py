@@ -91,7 +91,9 @@ def test_flatten_unflatten_round_trip_mixed_dtypes_odd_shapes():
         jax.tree.map(lambda a, b: (a.dtype == b.dtype) or pytest.fail("dtype"), params, back)
         # padding is zero
         total = sum(float(jnp.sum(jnp.abs(f.astype(jnp.float32)))) for f in flat)
-        expect = sum(float(jnp.sum(jnp.abs(p.astype(jnp.float32)))) for p in jax.tree.leaves(params))
+        expect = sum(
+            float(jnp.sum(jnp.abs(p.astype(jnp.float32)))) for p in jax.tree.leaves(params)
+        )
         assert total == pytest.approx(expect, rel=1e-6)
 
 
@@ -123,7 +125,10 @@ def test_layout_from_shape_dtype_structs_is_cached_and_hashable():
 def test_key_fn_separates_buffers():
     params = {"w": jnp.zeros(4), "b": jnp.zeros(2)}
     layout = build_layout(
-        params, key_fn=lambda path, _: BufferKey("float32", ("data",), "no_decay" if "b" in path else "decay")
+        params,
+        key_fn=lambda path, _: BufferKey(
+            "float32", ("data",), "no_decay" if "b" in path else "decay"
+        ),
     )
     assert [b.key.label for b in layout.buffers] == ["decay", "no_decay"]
 

@@ -29,8 +29,7 @@ def normalize_axes(axis_name: AxisName) -> tuple[str, ...]:
     axes = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
     if not axes or not all(isinstance(a, str) and a for a in axes):
         raise ValueError(
-            f"`axis_name` must be a mesh axis name or a non-empty tuple of them, "
-            f"got {axis_name!r}."
+            f"`axis_name` must be a mesh axis name or a non-empty tuple of them, got {axis_name!r}."
         )
     if len(set(axes)) != len(axes):
         raise ValueError(f"`axis_name` names an axis twice: {axis_name!r}.")

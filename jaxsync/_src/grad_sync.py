@@ -96,9 +96,7 @@ def accumulate_grads(
     (n,) = counts
     axes = bound_axes(axis_name, "jaxsync.accumulate_grads")
     vg = value_and_grad(fun, axis_name=axes, has_aux=has_aux)
-    zeros = to_varying(
-        jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), accum_dtype), params), axes
-    )
+    zeros = to_varying(jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), accum_dtype), params), axes)
 
     def body(acc: PyTree, mb: PyTree) -> tuple[PyTree, Any]:
         out, g = vg(params, mb)

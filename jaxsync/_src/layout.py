@@ -215,9 +215,7 @@ class Layout:
             out.append(tuple(buckets))
         return tuple(out)
 
-    def unpack(
-        self, buckets: Sequence[Sequence[jax.Array]], dtype: Any = None
-    ) -> PyTree:
+    def unpack(self, buckets: Sequence[Sequence[jax.Array]], dtype: Any = None) -> PyTree:
         """Inverse of :meth:`pack`; leaves get their param dtype unless ``dtype``."""
         leaves: list[Any] = [None] * len(self.slots)
         for buf, arrays in zip(self.buffers, buckets, strict=True):
@@ -231,16 +229,13 @@ class Layout:
 
     def flatten(self, tree: PyTree, dtype: Any = None) -> tuple[jax.Array, ...]:
         """One flat array per buffer, of length ``buffer.size``."""
-        return tuple(
-            b[0] if len(b) == 1 else jnp.concatenate(b) for b in self.pack(tree, dtype)
-        )
+        return tuple(b[0] if len(b) == 1 else jnp.concatenate(b) for b in self.pack(tree, dtype))
 
     def unflatten(self, flat: Sequence[jax.Array], dtype: Any = None) -> PyTree:
         """Inverse of :meth:`flatten`."""
         if len(flat) != len(self.buffers):
             raise ValueError(
-                f"`flat` holds {len(flat)} arrays; this layout has "
-                f"{len(self.buffers)} buffers."
+                f"`flat` holds {len(flat)} arrays; this layout has {len(self.buffers)} buffers."
             )
         return self.unpack(
             [
@@ -401,23 +396,19 @@ def _build(
     for bi, key in enumerate(keys):
         buckets: list[Bucket] = []
         pos, bstart, current = 0, 0, []
-
-        def close(end: int, current: list[int], bstart: int) -> int:
-            end = bstart + _round_up(max(end - bstart, 1), bucket_align)
-            buckets.append(Bucket(start=bstart, end=end, slots=tuple(current)))
-            return end
-
-        for i in members[key]:
+        for n, i in enumerate(members[key]):
             name, shape, dtype, _ = specs[i]
             start = _round_up(pos, param_align)
             slots[i] = ParamSlot(name, i, shape, dtype, bi, len(buckets), start)
             current.append(i)
             pos = start + math.prod(shape)
-            if bucket_size is not None and pos - bstart >= bucket_size:
-                pos = bstart = close(pos, current, bstart)
+            last = n == len(members[key]) - 1
+            if last or (bucket_size is not None and pos - bstart >= bucket_size):
+                # Close the bucket: pad it so every rank owns an equal slice.
+                end = bstart + _round_up(max(pos - bstart, 1), bucket_align)
+                buckets.append(Bucket(start=bstart, end=end, slots=tuple(current)))
+                pos = bstart = end
                 current = []
-        if current:
-            pos = close(pos, current, bstart)
         buffers.append(
             Buffer(
                 key=key,

@@ -1,0 +1,444 @@
+"""The distributed (ZeRO-1/2) optimizer: Megatron's DistributedOptimizer for optax.
+
+Every flat gradient buffer is cut into ``N`` equal shards per bucket; rank ``r``
+reduce-scatters the gradients into its shard, keeps fp32 master copies of the
+bf16/fp16 params in that shard, runs the inner optax transformation on the
+shard only, and all-gathers the new params. Per-device optimizer memory falls
+from ``P * (4 + state)`` bytes to ``ceil(P / N) * (4 + state)`` plus padding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from .axes import AxisName, axes_size, bound_axes, mesh_axes_size, normalize_axes, rank
+from .collectives import bucket_all_gather, bucket_reduce_scatter
+from .elementwise import check_elementwise
+from .grad_sync import all_reduce_grads
+from .layout import BufferKey, Layout, build_layout
+from .loss_scale import (
+    LossScale,
+    LossScaleState,
+    check_loss_scale,
+    init_loss_scale,
+    update_loss_scale,
+)
+
+PyTree = Any
+Labels = PyTree | Callable[[PyTree], PyTree] | None
+
+
+class StepMetrics(NamedTuple):
+    """Diagnostics of the last update, returned as data (never printed).
+
+    Attributes:
+      grad_norm: global L2 norm of the reduced, unscaled gradient (before clipping).
+      num_zeros: number of exactly-zero gradient elements (padding excluded).
+      skipped: whether the last step was skipped for non-finite gradients.
+      skipped_steps: steps skipped so far.
+    """
+
+    grad_norm: jax.Array
+    num_zeros: jax.Array
+    skipped: jax.Array
+    skipped_steps: jax.Array
+
+
+class DistributedOptimizerState(NamedTuple):
+    """State of :func:`distributed_optimizer`; arrays only.
+
+    Attributes:
+      master: per buffer, this rank's fp32 master shard of the params, or
+        ``None`` for fp32 buffers, whose master *is* the param (as in Megatron).
+      inner_state: per buffer, the inner transformation's state over the shard.
+      loss_scale: the loss scaler (scale 1 when no scaling is used).
+      metrics: diagnostics of the last step.
+    """
+
+    master: tuple[jax.Array | None, ...]
+    inner_state: tuple[optax.OptState, ...]
+    loss_scale: LossScaleState
+    metrics: StepMetrics
+
+
+class DistributedOptimizer(optax.GradientTransformationExtraArgs):
+    """An ``optax.GradientTransformationExtraArgs`` with helpers for its sharded state.
+
+    Use ``init`` and ``update`` inside ``jax.shard_map`` over the data-parallel
+    axes; use :meth:`state_specs`, :meth:`state_shardings` and
+    :meth:`sharded_init` from outside it.
+    """
+
+    def layout(self, params: PyTree, mesh: Mesh) -> Layout:
+        """The flat-buffer layout used for ``params`` on ``mesh``."""
+        return self._config.layout(params, mesh_axes_size(mesh, self._config.axes, "layout"))
+
+    def state_specs(self, params: PyTree, mesh: Mesh) -> DistributedOptimizerState:
+        """PartitionSpecs of the state (``P(axes)`` for shards, ``P()`` for scalars),
+        for the ``in_specs``/``out_specs`` of the shard_map that runs the step."""
+        return self._config.state_specs(params, mesh)
+
+    def state_shardings(self, params: PyTree, mesh: Mesh) -> DistributedOptimizerState:
+        """``NamedSharding``s of the global state arrays, e.g. for checkpoint restore."""
+        return jax.tree.map(
+            lambda s: NamedSharding(mesh, s),
+            self.state_specs(params, mesh),
+            is_leaf=lambda x: isinstance(x, P),
+        )
+
+    def sharded_init(self, params: PyTree, mesh: Mesh) -> DistributedOptimizerState:
+        """Builds the global, sharded state from replicated ``params`` (outside shard_map)."""
+        specs = self.state_specs(params, mesh)
+        init = jax.shard_map(self.init, mesh=mesh, in_specs=P(), out_specs=specs)
+        return jax.jit(init)(params)
+
+    @property
+    def _config(self) -> _Config:
+        return self.__dict__["config"]
+
+
+class _Config:
+    """Everything the transformation closes over; hashable by identity."""
+
+    def __init__(
+        self,
+        inner: optax.GradientTransformation | Mapping[str, optax.GradientTransformation],
+        axes: tuple[str, ...],
+        labels: Labels,
+        bucket_size: int | None,
+        reduce_dtype: Any,
+        clip_grad_norm: float | None,
+        loss_scale: LossScale,
+        check_elementwise: bool,
+    ):
+        self.inner = inner
+        self.axes = axes
+        self.labels = labels
+        self.bucket_size = bucket_size
+        self.reduce_dtype = reduce_dtype
+        self.clip_grad_norm = clip_grad_norm
+        self.loss_scale = loss_scale
+        self.check_elementwise = check_elementwise
+
+    # ------------------------------------------------------------- layout
+    def label_tree(self, params: PyTree) -> PyTree | None:
+        if self.labels is None:
+            return None
+        labels = self.labels(params) if callable(self.labels) else self.labels
+        try:
+            flat = jax.tree.leaves(jax.tree.map(lambda _, lab: lab, params, labels))
+        except ValueError as e:
+            raise ValueError(
+                f"`labels` must have the structure of the params (one string per param); {e}"
+            ) from e
+        names = sorted(set(flat))
+        assert isinstance(self.inner, Mapping)
+        missing = [n for n in names if n not in self.inner]
+        if missing:
+            raise ValueError(
+                f"`labels` uses {missing}, which `inner` has no transformation for; "
+                f"`inner` has keys {sorted(self.inner)}."
+            )
+        return labels
+
+    def layout(self, params: PyTree, num_shards: int) -> Layout:
+        labels = self.label_tree(params)
+        by_path = {}
+        if labels is not None:
+            for (path, _), lab in zip(
+                jax.tree_util.tree_flatten_with_path(params)[0],
+                jax.tree.leaves(jax.tree.map(lambda _, lab: lab, params, labels)),
+                strict=True,
+            ):
+                by_path[jax.tree_util.keystr(path)] = lab
+        axes = self.axes
+
+        def key_fn(path: str, leaf: Any) -> BufferKey:
+            return BufferKey(jnp.dtype(leaf.dtype).name, axes, by_path.get(path))
+
+        return build_layout(
+            params, num_shards=num_shards, bucket_size=self.bucket_size, key_fn=key_fn
+        )
+
+    def inner_for(self, layout: Layout, buffer: int) -> optax.GradientTransformation:
+        label = layout.buffers[buffer].key.label
+        return self.inner if label is None else self.inner[label]
+
+    # --------------------------------------------------------------- init
+    def init_for_rank(
+        self, params: PyTree, layout: Layout, r: jax.Array | int
+    ) -> DistributedOptimizerState:
+        flat = layout.flatten(params, jnp.float32)
+        master, inner_state = [], []
+        for bi, buf in enumerate(layout.buffers):
+            shard = layout.shard_of(bi, flat[bi], r)
+            master.append(None if buf.key.dtype == "float32" else shard)
+            inner_state.append(self.inner_for(layout, bi).init(shard))
+        zero_f, zero_i = jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32)
+        return DistributedOptimizerState(
+            master=tuple(master),
+            inner_state=tuple(inner_state),
+            loss_scale=init_loss_scale(self.loss_scale),
+            metrics=StepMetrics(zero_f, zero_i, jnp.zeros((), bool), zero_i),
+        )
+
+    def check(self, params: PyTree, layout: Layout) -> None:
+        if not self.check_elementwise:
+            return
+        for bi, buf in enumerate(layout.buffers):
+            sub = [jax.ShapeDtypeStruct(layout.slots[i].shape, jnp.float32) for i in buf.slots]
+            if buf.key.label is None:
+                sub = params  # the whole tree: masks by path or ndim are probed as written
+            what = "all params" if buf.key.label is None else f"label {buf.key.label!r}"
+            check_elementwise(self.inner_for(layout, bi), sub, what)
+
+    def state_specs(self, params: PyTree, mesh: Mesh) -> DistributedOptimizerState:
+        n = mesh_axes_size(mesh, self.axes, "state_specs")
+        layout = self.layout(params, n)
+        shapes = jax.eval_shape(lambda p: self.init_for_rank(p, layout, 0), params)
+        sharded = P(self.axes if len(self.axes) > 1 else self.axes[0])
+
+        def spec_for(bi: int) -> Callable[[Any], P]:
+            size = layout.shard_size(bi)
+            return lambda x: sharded if x.ndim >= 1 and x.shape[0] == size else P()
+
+        return DistributedOptimizerState(
+            master=tuple(None if m is None else sharded for m in shapes.master),
+            inner_state=tuple(
+                jax.tree.map(spec_for(bi), s) for bi, s in enumerate(shapes.inner_state)
+            ),
+            loss_scale=jax.tree.map(lambda _: P(), shapes.loss_scale),
+            metrics=jax.tree.map(lambda _: P(), shapes.metrics),
+        )
+
+
+NEED_PARAMS = (
+    "distributed_optimizer.update needs `params`: it reads the master values of fp32 "
+    "params from them and returns updates relative to them. Call "
+    "`tx.update(grads, state, params)`."
+)
+
+
+def distributed_optimizer(
+    inner: optax.GradientTransformation | Mapping[str, optax.GradientTransformation],
+    *,
+    axis_name: AxisName,
+    labels: Labels = None,
+    bucket_size: int | None = None,
+    reduce_dtype: Any = jnp.float32,
+    clip_grad_norm: float | None = None,
+    loss_scale: LossScale = None,
+    check_elementwise: bool = True,
+) -> DistributedOptimizer:
+    """Wraps an elementwise optax optimizer into a ZeRO sharded optimizer.
+
+    ``update`` takes each device's *local*, unreduced gradients (from
+    :func:`jaxsync.value_and_grad`) and, in order: reduce-scatters them bucket by
+    bucket in ``reduce_dtype`` (averaging over ranks) -> unscales by the loss
+    scale -> checks for NaN/Inf over all ranks -> skips the step if any (state and
+    params unchanged, the loss scale backs off) -> clips by the global L2 norm ->
+    runs ``inner`` on this rank's shard -> updates the fp32 master -> all-gathers
+    the new params bucket by bucket in the param dtype. The returned updates are
+    fp32, so ``optax.apply_updates(params, updates)`` lands exactly on the
+    gathered values.
+
+    Args:
+      inner: an elementwise optax transformation, or a mapping label ->
+        transformation used with ``labels``.
+      axis_name: data-parallel mesh axis name (or tuple of names) to shard over.
+      labels: a pytree of label strings shaped like the params, or a function of
+        the params returning one (as ``optax.multi_transform``); params with
+        different labels go to different buffers, each with its own
+        transformation (e.g. weight decay on kernels only).
+      bucket_size: elements per bucket (one collective each); ``None``: one
+        bucket per buffer.
+      reduce_dtype: dtype of the gradient reduction and of the optimizer math.
+      clip_grad_norm: clip by this global L2 norm (computed across all shards).
+      loss_scale: ``None``, a constant float, or a :class:`DynamicLossScale` for
+        fp16; multiply your loss by ``state.loss_scale.scale``.
+      check_elementwise: probe ``inner`` once to reject transformations that
+        are not elementwise (and so would train wrong on flat shards).
+
+    Returns:
+      A :class:`DistributedOptimizer` (an ``optax.GradientTransformationExtraArgs``).
+
+    Example:
+      >>> tx = jaxsync.distributed_optimizer(optax.adam(3e-4), axis_name="data",
+      ...                                    clip_grad_norm=1.0)
+      >>> opt_state = tx.sharded_init(params, mesh)   # outside shard_map
+      >>> # inside shard_map over "data":
+      >>> loss, grads = jaxsync.value_and_grad(loss_fn, axis_name="data")(params, batch)
+      >>> updates, opt_state = tx.update(grads, opt_state, params)
+      >>> params = optax.apply_updates(params, updates)
+    """
+    axes = normalize_axes(axis_name)
+    if isinstance(inner, Mapping):
+        if labels is None:
+            raise ValueError(
+                "`inner` is a mapping of label -> transformation, so `labels` is required "
+                "(a pytree of labels shaped like the params, or a function returning one)."
+            )
+        for k, v in inner.items():
+            if not hasattr(v, "init") or not hasattr(v, "update"):
+                raise TypeError(f"`inner[{k!r}]` is not an optax GradientTransformation: {v!r}")
+    elif not hasattr(inner, "init") or not hasattr(inner, "update"):
+        raise TypeError(f"`inner` must be an optax GradientTransformation, got {inner!r}.")
+    elif labels is not None:
+        raise ValueError(
+            "`labels` needs `inner` to be a mapping label -> transformation; got a single "
+            "transformation."
+        )
+    if clip_grad_norm is not None and not clip_grad_norm > 0:
+        raise ValueError(f"`clip_grad_norm` must be positive or None, got {clip_grad_norm!r}.")
+    if bucket_size is not None and (not isinstance(bucket_size, int) or bucket_size <= 0):
+        raise ValueError(
+            f"`bucket_size` must be a positive number of elements or None, got {bucket_size!r}."
+        )
+    check_loss_scale(loss_scale)
+    cfg = _Config(
+        inner,
+        axes,
+        labels,
+        bucket_size,
+        reduce_dtype,
+        clip_grad_norm,
+        loss_scale,
+        check_elementwise,
+    )
+
+    def init_fn(params: PyTree) -> DistributedOptimizerState:
+        bound_axes(axes, "distributed_optimizer.init")
+        layout = cfg.layout(params, axes_size(axes))
+        cfg.check(params, layout)
+        return cfg.init_for_rank(params, layout, rank(axes))
+
+    def update_fn(
+        grads: PyTree, state: DistributedOptimizerState, params: PyTree | None = None, **extra
+    ) -> tuple[PyTree, DistributedOptimizerState]:
+        del extra
+        if params is None:
+            raise ValueError(NEED_PARAMS)
+        bound_axes(axes, "distributed_optimizer.update")
+        layout = cfg.layout(params, axes_size(axes))
+        layout.check_tree(grads, "grads")
+        r = rank(axes)
+        inv_scale = 1.0 / state.loss_scale.scale
+        shards = bucket_reduce_scatter(
+            grads, layout, axis_name=axes, reduce_dtype=reduce_dtype, scale=inv_scale
+        )
+
+        # One small all-reduce for the norm and the zero count of the whole model.
+        local = jnp.stack(
+            [
+                sum(jnp.sum(jnp.square(s.astype(jnp.float32))) for s in shards),
+                sum(jnp.sum(s == 0).astype(jnp.float32) for s in shards),
+            ]
+        )
+        total = jax.lax.psum(local, axes)
+        grad_norm = jnp.sqrt(total[0])
+        padding = sum(b.size - b.used for b in layout.buffers)
+        num_zeros = (total[1] - padding).astype(jnp.int32)
+        finite = jnp.isfinite(grad_norm)
+
+        if clip_grad_norm is not None:
+            # Same arithmetic as optax.clip_by_global_norm, so results match it.
+            keep = grad_norm < clip_grad_norm
+            shards = tuple(
+                jnp.where(keep, s, (s / grad_norm.astype(s.dtype)) * clip_grad_norm) for s in shards
+            )
+
+        flat_params = layout.flatten(params, jnp.float32)
+        new_master, new_inner, out = [], [], []
+        for bi, buf in enumerate(layout.buffers):
+            fp32 = buf.key.dtype == "float32"
+            master = layout.shard_of(bi, flat_params[bi], r) if fp32 else state.master[bi]
+            g = jnp.where(finite, shards[bi], 0.0).astype(jnp.float32)
+            upd, inner_state = cfg.inner_for(layout, bi).update(g, state.inner_state[bi], master)
+            upd = jnp.where(finite, upd, 0.0).astype(jnp.float32)
+            inner_state = jax.tree.map(
+                lambda a, b: jnp.where(finite, a, b), inner_state, state.inner_state[bi]
+            )
+            new_inner.append(inner_state)
+            if fp32:
+                # The param is the master: gather the update itself, so every
+                # rank computes exactly `param + update`, as the owner did.
+                new_master.append(None)
+                out.append(upd)
+            else:
+                m = master + upd
+                new_master.append(m)
+                out.append(m.astype(buf.key.dtype))
+        gathered = bucket_all_gather(tuple(out), layout, axis_name=axes)
+        updates_flat = tuple(
+            g if buf.key.dtype == "float32" else g.astype(jnp.float32) - flat_params[bi]
+            for bi, (g, buf) in enumerate(zip(gathered, layout.buffers, strict=True))
+        )
+        updates = layout.unflatten(updates_flat, jnp.float32)
+
+        skipped = jnp.logical_not(finite)
+        new_state = DistributedOptimizerState(
+            master=tuple(new_master),
+            inner_state=tuple(new_inner),
+            loss_scale=update_loss_scale(loss_scale, state.loss_scale, finite),
+            metrics=StepMetrics(
+                grad_norm=grad_norm,
+                num_zeros=num_zeros,
+                skipped=skipped,
+                skipped_steps=state.metrics.skipped_steps + skipped.astype(jnp.int32),
+            ),
+        )
+        return updates, new_state
+
+    tx = DistributedOptimizer(init_fn, update_fn)
+    tx.__dict__["config"] = cfg
+    return tx
+
+
+class SyncGradsState(NamedTuple):
+    """:func:`sync_grads` keeps no state."""
+
+
+def sync_grads(
+    *,
+    axis_name: AxisName,
+    bucket_size: int | None = None,
+    reduce_dtype: Any = jnp.float32,
+    average: bool = True,
+) -> optax.GradientTransformation:
+    """Plain data parallelism as an optax transformation: bucketed all-reduce.
+
+    Put it first in an ``optax.chain`` to feed local gradients to a replicated
+    optimizer (every rank holds the whole optimizer state):
+
+      >>> tx = optax.chain(jaxsync.sync_grads(axis_name="data"),
+      ...                  optax.clip_by_global_norm(1.0), optax.adam(3e-4))
+
+    Reduced gradients keep their dtype; the reduction runs in ``reduce_dtype``.
+    """
+    axes = normalize_axes(axis_name)
+
+    def init_fn(params: PyTree) -> SyncGradsState:
+        del params
+        return SyncGradsState()
+
+    def update_fn(
+        grads: PyTree, state: SyncGradsState, params: PyTree | None = None
+    ) -> tuple[PyTree, SyncGradsState]:
+        del params
+        reduced = all_reduce_grads(
+            grads,
+            axis_name=axes,
+            bucket_size=bucket_size,
+            reduce_dtype=reduce_dtype,
+            average=average,
+        )
+        return reduced, state
+
+    return optax.GradientTransformation(init_fn, update_fn)
