@@ -179,7 +179,7 @@ class _Config:
     ) -> DistributedOptimizerState:
         flat = layout.flatten(params, jnp.float32)
         master, inner_state = [], []
-        for bi, buf in enumerate(layout.buffers):
+        for bi in range(len(layout.buffers)):
             shard = layout.shard_of(bi, flat[bi], r)
             master.append(shard)
             inner_state.append(self.inner_for(layout, bi).init(shard))
@@ -330,7 +330,6 @@ def distributed_optimizer(
         bound_axes(axes, "distributed_optimizer.update")
         layout = cfg.layout(params, axes_size(axes))
         layout.check_tree(grads, "grads")
-        r = rank(axes)
         inv_scale = 1.0 / state.loss_scale.scale
         shards = bucket_reduce_scatter(
             grads, layout, axis_name=axes, reduce_dtype=reduce_dtype, scale=inv_scale
