@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(PY) examples/data_parallel_demo.py
+	$(PY) examples/train_gpt.py --config configs/tiny.yaml
 
 test: $(STAMP)
 	$(PY) -m pytest -q

@@ -1,10 +1,14 @@
 """jaxsync: Megatron-style gradient sync and a ZeRO distributed optimizer for JAX."""
 
 from jaxsync._src.axes import normalize_axes as normalize_axes
+from jaxsync._src.checkpoint import Checkpointer as Checkpointer
+from jaxsync._src.checkpoint import Restored as Restored
 from jaxsync._src.collectives import bucket_all_gather as bucket_all_gather
 from jaxsync._src.collectives import bucket_all_reduce as bucket_all_reduce
 from jaxsync._src.collectives import bucket_reduce_scatter as bucket_reduce_scatter
 from jaxsync._src.data import shard_batch as shard_batch
+from jaxsync._src.distributed import ProcessInfo as ProcessInfo
+from jaxsync._src.distributed import initialize as initialize
 from jaxsync._src.grad_sync import accumulate_grads as accumulate_grads
 from jaxsync._src.grad_sync import all_reduce_grads as all_reduce_grads
 from jaxsync._src.grad_sync import broadcast_params as broadcast_params
@@ -28,22 +32,26 @@ from jaxsync._src.optimizer import DistributedOptimizerState as DistributedOptim
 from jaxsync._src.optimizer import StepMetrics as StepMetrics
 from jaxsync._src.optimizer import distributed_optimizer as distributed_optimizer
 from jaxsync._src.optimizer import sync_grads as sync_grads
+from jaxsync._src.portable import param_name as param_name
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Bucket",
+    "Checkpointer",
     "CollectiveStats",
     "DistributedOptimizer",
     "DistributedOptimizerState",
     "DynamicLossScale",
     "LossScaleState",
+    "Restored",
     "StepMetrics",
     "Buffer",
     "BufferKey",
     "Layout",
     "ParamSlot",
     "PieceRange",
+    "ProcessInfo",
     "accumulate_grads",
     "all_reduce_grads",
     "broadcast_params",
@@ -53,8 +61,10 @@ __all__ = [
     "build_layout",
     "collective_stats",
     "distributed_optimizer",
+    "initialize",
     "lowered_collective_counts",
     "nonfinite_grads",
+    "param_name",
     "normalize_axes",
     "raise_if_nonfinite",
     "shard_batch",

@@ -14,8 +14,13 @@ from .axes import AxisName, mesh_axes_size, normalize_axes
 PyTree = Any
 
 
-def shard_batch(batch: PyTree, mesh: Mesh, *, axis_name: AxisName = "data") -> PyTree:
-    """Shards every leaf's leading (batch) axis over ``axis_name`` of ``mesh``.
+def shard_batch(
+    batch: PyTree, mesh: Mesh, *, axis_name: AxisName = "data", batch_axis: int = 0
+) -> PyTree:
+    """Shards every leaf's batch axis over ``axis_name`` of ``mesh``.
+
+    ``batch_axis=1`` is for stacked microbatches ``(micro, batch, ...)``, which
+    go into shard_map with ``in_specs=P(None, axis_name)``.
 
     With one process ``batch`` is the global batch. With several processes each
     passes only its own part (the rows its addressable devices hold), as
@@ -27,16 +32,16 @@ def shard_batch(batch: PyTree, mesh: Mesh, *, axis_name: AxisName = "data") -> P
     """
     axes = normalize_axes(axis_name)
     n = mesh_axes_size(mesh, axes, "jaxsync.shard_batch")
-    sharding = NamedSharding(mesh, P(axes))
+    sharding = NamedSharding(mesh, P(*([None] * batch_axis), axes))
     nproc = jax.process_count()
 
     def put(path: Any, x: Any) -> jax.Array:
         shape = np.shape(x)
-        global_rows = shape[0] * nproc if shape else None
+        global_rows = shape[batch_axis] * nproc if len(shape) > batch_axis else None
         if global_rows is None or global_rows % n:
             raise ValueError(
-                f"batch leaf {jax.tree_util.keystr(path)} has shape {shape}; its leading "
-                f"(batch) axis{' summed over ' + str(nproc) + ' processes' if nproc > 1 else ''}"
+                f"batch leaf {jax.tree_util.keystr(path)} has shape {shape}; its batch "
+                f"axis {batch_axis}{' summed over ' + str(nproc) + ' processes' if nproc > 1 else ''}"
                 f" must divide evenly over axis {axes} of size {n}. Use a global batch "
                 f"size that is a multiple of {n}."
             )

@@ -30,6 +30,15 @@ from .loss_scale import (
     init_loss_scale,
     update_loss_scale,
 )
+from .portable import (
+    buffer_name,
+    convert,
+    param_name,
+    param_sharding,
+    params_to_shards,
+    shards_to_params,
+    slot_names,
+)
 
 PyTree = Any
 Labels = PyTree | Callable[[PyTree], PyTree] | None
@@ -100,6 +109,109 @@ class DistributedOptimizer(optax.GradientTransformationExtraArgs):
         specs = self.state_specs(params, mesh)
         init = jax.shard_map(self.init, mesh=mesh, in_specs=P(), out_specs=specs)
         return jax.jit(init)(params)
+
+    def to_portable(
+        self, state: DistributedOptimizerState, params: PyTree, mesh: Mesh
+    ) -> dict[str, Any]:
+        """The state as per-parameter arrays, independent of the DP size (for saving).
+
+        Returns a dict ``{"master": {name: array}, "inner_state": {buffer: state},
+        "loss_scale": ..., "metrics": ...}`` in which every shard-shaped leaf has
+        become ``{param name: array of the param's shape}``.
+        """
+        fn, out, _ = self._portable_fn(params, mesh)
+        return convert(fn, (state,), mesh, out)
+
+    def portable_shapes(self, params: PyTree, mesh: Mesh) -> dict[str, Any]:
+        """``ShapeDtypeStruct``s (with shardings) of :meth:`to_portable`'s result."""
+        fn, out, glob = self._portable_fn(params, mesh)
+        shapes = jax.eval_shape(fn, glob)
+        return jax.tree.map(
+            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, out
+        )
+
+    def from_portable(
+        self, portable: dict[str, Any], params: PyTree, mesh: Mesh
+    ) -> DistributedOptimizerState:
+        """Inverse of :meth:`to_portable` onto ``mesh``, whose DP size may differ."""
+        layout = self.layout(params, mesh)
+        names = slot_names(layout, params)
+        specs = self.state_specs(params, mesh)
+        missing = sorted(set(names) - set(portable.get("master", {})))
+        if missing:
+            raise ValueError(
+                f"the saved optimizer state has no master values for params {missing}; "
+                "it was saved for a different model."
+            )
+
+        def fn(portable: dict[str, Any]) -> DistributedOptimizerState:
+            master, inner = [], []
+            for bi in range(len(layout.buffers)):
+                master.append(params_to_shards(layout, bi, portable["master"], names))
+                saved = portable["inner_state"][buffer_name(layout, bi)]
+                inner.append(
+                    jax.tree.map(
+                        lambda s, x, bi=bi: (
+                            params_to_shards(layout, bi, x, names) if s != P() else x
+                        ),
+                        specs.inner_state[bi],
+                        saved,
+                        is_leaf=lambda x: isinstance(x, P),
+                    )
+                )
+            return DistributedOptimizerState(
+                master=tuple(master),
+                inner_state=tuple(inner),
+                loss_scale=LossScaleState(*portable["loss_scale"]),
+                metrics=StepMetrics(*portable["metrics"]),
+            )
+
+        return convert(fn, (portable,), mesh, self.state_shardings(params, mesh))
+
+    def _portable_fn(self, params: PyTree, mesh: Mesh) -> tuple[Any, Any, Any]:
+        layout = self.layout(params, mesh)
+        names = slot_names(layout, params)
+        specs = self.state_specs(params, mesh)
+        axes = self._config.axes
+        by_name = {names[i]: layout.slots[i].shape for i in range(len(layout.slots))}
+
+        def fn(state: DistributedOptimizerState) -> dict[str, Any]:
+            master: dict[str, jax.Array] = {}
+            inner = {}
+            for bi in range(len(layout.buffers)):
+                master.update(shards_to_params(layout, bi, state.master[bi], names))
+                inner[buffer_name(layout, bi)] = jax.tree.map(
+                    lambda s, x, bi=bi: shards_to_params(layout, bi, x, names) if s != P() else x,
+                    specs.inner_state[bi],
+                    state.inner_state[bi],
+                    is_leaf=lambda x: isinstance(x, P),
+                )
+            return {
+                "master": master,
+                "inner_state": inner,
+                "loss_scale": tuple(state.loss_scale),
+                "metrics": tuple(state.metrics),
+            }
+
+        def sharding_for(path: Any, x: Any) -> NamedSharding:
+            name = param_name(path[-1:]) if path else ""
+            shape = getattr(x, "shape", ())
+            if name in by_name and tuple(shape) == by_name[name]:
+                return param_sharding(mesh, axes, tuple(shape))
+            return NamedSharding(mesh, P())
+
+        abstract = jax.eval_shape(lambda p: self._config.init_for_rank(p, layout, 0), params)
+        n = layout.num_shards
+        glob = jax.tree.map(
+            lambda x, s: jax.ShapeDtypeStruct(
+                (x.shape[0] * n, *x.shape[1:]) if s != P() else x.shape, x.dtype
+            ),
+            abstract,
+            specs,
+            is_leaf=lambda x: isinstance(x, P) or x is None,
+        )
+        out = jax.tree_util.tree_map_with_path(sharding_for, jax.eval_shape(fn, glob))
+        return fn, out, glob
 
     @property
     def _config(self) -> _Config:

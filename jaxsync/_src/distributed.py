@@ -1,0 +1,108 @@
+"""Multi-host start-up: ``jax.distributed.initialize`` with sensible defaults.
+
+One call at the top of a training script, before any JAX computation. Alone it
+does nothing; under ``python -m jaxsync.launch`` it reads the launcher's
+environment; on a cluster that JAX knows (SLURM, Open MPI, Kubernetes...) it
+lets JAX detect the coordinator and ranks; explicit arguments win over both.
+On CPU it selects gloo collectives, without which cross-process CPU
+collectives are not available.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import jax
+
+#: Environment variables set by ``python -m jaxsync.launch`` for each process.
+ENV_COORDINATOR = "JAXSYNC_COORDINATOR"
+ENV_NUM_PROCESSES = "JAXSYNC_NUM_PROCESSES"
+ENV_PROCESS_ID = "JAXSYNC_PROCESS_ID"
+
+# Variables whose presence means a cluster launched us with several tasks.
+_CLUSTER_HINTS = {
+    "SLURM_NTASKS": "SLURM",
+    "OMPI_COMM_WORLD_SIZE": "Open MPI",
+    "PMI_SIZE": "MPICH/PMI",
+    "JOBSET_NAME": "Kubernetes JobSet",
+}
+
+
+class ProcessInfo(NamedTuple):
+    """Where this process stands after :func:`initialize`."""
+
+    process_id: int
+    num_processes: int
+    local_devices: int
+    global_devices: int
+    how: str
+
+
+def _cluster() -> str | None:
+    for var, name in _CLUSTER_HINTS.items():
+        value = os.environ.get(var)
+        if value is not None and (not value.isdigit() or int(value) > 1):
+            return name
+    return None
+
+
+def initialize(
+    coordinator_address: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+    *,
+    local_device_ids: Sequence[int] | None = None,
+    cpu_collectives: str = "gloo",
+) -> ProcessInfo:
+    """Starts JAX's multi-process runtime when this is a multi-process run.
+
+    Args:
+      coordinator_address: ``host:port`` of process 0; with ``num_processes`` and
+        ``process_id`` this forces an explicit start.
+      num_processes: total number of processes.
+      process_id: this process's rank.
+      local_device_ids: restrict this process to these local devices.
+      cpu_collectives: CPU collectives implementation for cross-process runs.
+
+    Returns:
+      A :class:`ProcessInfo`; ``how`` says which path was taken.
+    """
+    explicit = [coordinator_address, num_processes, process_id]
+    if any(v is not None for v in explicit) and not all(v is not None for v in explicit):
+        raise ValueError(
+            "pass all of `coordinator_address`, `num_processes` and `process_id`, or none "
+            f"of them (got {coordinator_address!r}, {num_processes!r}, {process_id!r})."
+        )
+    how = "single process"
+    if coordinator_address is None and os.environ.get(ENV_COORDINATOR):
+        coordinator_address = os.environ[ENV_COORDINATOR]
+        num_processes = int(os.environ[ENV_NUM_PROCESSES])
+        process_id = int(os.environ[ENV_PROCESS_ID])
+        how = "jaxsync.launch"
+    elif coordinator_address is not None:
+        how = "explicit"
+    cluster = _cluster() if coordinator_address is None else None
+
+    if coordinator_address is not None or cluster is not None:
+        if jax.config.jax_platforms in (None, "", "cpu") or "cpu" in str(jax.config.jax_platforms):
+            jax.config.update("jax_cpu_collectives_implementation", cpu_collectives)
+        if not jax.distributed.is_initialized():
+            if cluster is not None:
+                jax.distributed.initialize(local_device_ids=local_device_ids)
+                how = cluster
+            else:
+                jax.distributed.initialize(
+                    coordinator_address=coordinator_address,
+                    num_processes=num_processes,
+                    process_id=process_id,
+                    local_device_ids=local_device_ids,
+                )
+    return ProcessInfo(
+        jax.process_index(),
+        jax.process_count(),
+        jax.local_device_count(),
+        jax.device_count(),
+        how,
+    )

@@ -1,0 +1,185 @@
+import os
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from helpers import make_batches, mlp_loss, mlp_params
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxsync
+
+
+def mesh_of(n):
+    return jax.make_mesh((n,), ("data",), devices=jax.devices()[:n])
+
+
+def trainer(mesh, tx, params):
+    specs = tx.state_specs(params, mesh)
+
+    @jax.jit
+    @partial(jax.shard_map, mesh=mesh, in_specs=(P(), specs, P("data")), out_specs=(P(), specs))
+    def step(params, state, batch):
+        _, grads = jaxsync.value_and_grad(mlp_loss, axis_name="data")(params, batch)
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    def run(params, state, batches, lo, hi):
+        params = jax.device_put(params, NamedSharding(mesh, P()))
+        for i in range(lo, hi):
+            batch = jaxsync.shard_batch((batches[0][i], batches[1][i]), mesh)
+            params, state = step(params, state, batch)
+        return params, state
+
+    return run
+
+
+@pytest.fixture
+def setup():
+    params = mlp_params(jax.random.PRNGKey(0), dtype=jnp.bfloat16)
+    tx = jaxsync.distributed_optimizer(
+        {"decay": optax.adamw(5e-3, weight_decay=0.1), "no_decay": optax.adam(5e-3)},
+        axis_name="data",
+        labels=lambda p: jax.tree.map(lambda x: "decay" if x.ndim > 1 else "no_decay", p),
+        bucket_size=300,
+    )
+    batches = make_batches(jax.random.PRNGKey(1), 8, 32)
+    return params, tx, batches
+
+
+def test_portable_form_is_independent_of_dp_size(setup):
+    params, tx, batches = setup
+    m8, m2 = mesh_of(8), mesh_of(2)
+    run8 = trainer(m8, tx, params)
+    p, s = run8(params, tx.sharded_init(params, m8), batches, 0, 3)
+    port8 = tx.to_portable(s, p, m8)
+    s2 = tx.from_portable(port8, p, m2)
+    assert s2.master[0].shape[0] == 2 * tx.layout(p, m2).shard_size(0)
+    port2 = tx.to_portable(s2, p, m2)
+    assert jax.tree.structure(port2) == jax.tree.structure(port8)
+    jax.tree.map(
+        lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), port8, port2
+    )
+    # per-parameter master arrays have the params' shapes
+    assert port8["master"]["layer0.w"].shape == params["layer0"]["w"].shape
+
+
+@pytest.mark.parametrize("n_from, n_to", [(8, 8), (8, 4), (8, 2), (2, 8)])
+def test_resume_on_another_dp_size(tmp_path, setup, n_from, n_to):
+    params, tx, batches = setup
+    ma, mb = mesh_of(n_from), mesh_of(n_to)
+    run_a, run_b = trainer(ma, tx, params), trainer(mb, tx, params)
+    p, s = run_a(params, tx.sharded_init(params, ma), batches, 0, 4)
+    ckpt = jaxsync.Checkpointer(tmp_path / "ckpt")
+    ckpt.save(
+        4,
+        params=p,
+        opt_state=s,
+        tx=tx,
+        mesh=ma,
+        meta={"data_position": 4},
+        extra={"rng": jax.random.PRNGKey(5)},
+    )
+    ckpt.wait()
+    ref_p, ref_s = run_a(p, s, batches, 4, 8)  # uninterrupted
+
+    r = jaxsync.Checkpointer(tmp_path / "ckpt").restore(
+        params_like=params, tx=tx, mesh=mb, extra_like={"rng": jax.random.PRNGKey(0)}
+    )
+    assert r.step == 4 and r.meta == {"data_position": 4}
+    np.testing.assert_array_equal(r.extra["rng"], jax.random.PRNGKey(5))
+    jax.tree.map(
+        lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), p, r.params
+    )
+    if n_from == n_to:  # same mesh: the restored state is bitwise the saved one
+        jax.tree.map(
+            lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), s, r.opt_state
+        )
+        assert jax.tree.map(lambda x: x.sharding, s) == jax.tree.map(
+            lambda x: x.sharding, r.opt_state
+        )
+    got_p, _ = run_b(r.params, r.opt_state, batches, 4, 8)
+    for a, b in zip(jax.tree.leaves(ref_p), jax.tree.leaves(got_p), strict=True):
+        a32, b32 = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        if n_from == n_to:
+            np.testing.assert_array_equal(a32, b32)
+        else:  # other reduction order: bf16 params at most one ulp apart
+            np.testing.assert_allclose(a32, b32, rtol=2**-7, atol=1e-4)
+
+
+def test_mismatched_checkpoint_lists_every_difference(tmp_path, setup):
+    params, tx, batches = setup
+    m = mesh_of(4)
+    ckpt = jaxsync.Checkpointer(tmp_path / "ckpt", async_save=False)
+    ckpt.save(1, params=params, opt_state=tx.sharded_init(params, m), tx=tx, mesh=m)
+    before = sorted(os.listdir(tmp_path / "ckpt" / "1"))
+    other = dict(params)
+    other["layer0"] = {"w": jnp.zeros((12, 34), jnp.bfloat16), "b": params["layer0"]["b"]}
+    other["extra"] = jnp.zeros((3,), jnp.bfloat16)
+    with pytest.raises(ValueError) as e:
+        ckpt.restore(params_like=other, tx=tx, mesh=m)
+    msg = str(e.value)
+    assert "shape differs: params.layer0.w saved (12, 33), model (12, 34)" in msg
+    assert "missing from checkpoint: params.extra (3,)" in msg
+    assert "opt_state.master.extra" in msg
+    assert sorted(os.listdir(tmp_path / "ckpt" / "1")) == before  # nothing overwritten
+    assert ckpt.latest_step() == 1
+
+
+def test_missing_or_half_written_checkpoint(tmp_path, setup):
+    params, tx, _ = setup
+    m = mesh_of(2)
+    with pytest.raises(FileNotFoundError, match="no complete checkpoint in .*empty"):
+        jaxsync.Checkpointer(tmp_path / "empty").restore(params_like=params, tx=tx, mesh=m)
+    # a save that died half way leaves only a temporary directory behind
+    half = tmp_path / "half"
+    half.mkdir()
+    (half / "3.orbax-checkpoint-tmp-1234").mkdir()
+    (half / "3.orbax-checkpoint-tmp-1234" / "partial").write_text("x")
+    ck = jaxsync.Checkpointer(half)
+    assert ck.latest_step() is None
+    with pytest.raises(FileNotFoundError, match="temporary directories"):
+        ck.restore(params_like=params, tx=tx, mesh=m)
+    ck.save(5, params=params, opt_state=tx.sharded_init(params, m), tx=tx, mesh=m)
+    ck.wait()
+    with pytest.raises(FileNotFoundError, match=r"complete steps: \[5\]"):
+        ck.restore(params_like=params, tx=tx, mesh=m, step=3)
+
+
+def test_keep_last_n(tmp_path, setup):
+    params, tx, _ = setup
+    m = mesh_of(2)
+    state = tx.sharded_init(params, m)
+    ck = jaxsync.Checkpointer(tmp_path / "k", max_to_keep=2)
+    for step in (1, 2, 3):
+        ck.save(step, params=params, opt_state=state, tx=tx, mesh=m)
+    ck.close()
+    assert jaxsync.Checkpointer(tmp_path / "k").all_steps() == [2, 3]
+
+
+def test_plain_optax_state_round_trips(tmp_path):
+    params = mlp_params(jax.random.PRNGKey(0))
+    m = mesh_of(2)
+    opt = optax.adam(1e-3)
+    grads = jax.grad(mlp_loss)(
+        params, jax.tree.map(lambda x: x[0], make_batches(jax.random.PRNGKey(1), 1, 8))
+    )
+    _, state = opt.update(grads, opt.init(params), params)  # non-trivial moments
+    state = jax.device_put(state, NamedSharding(m, P()))
+    ck = jaxsync.Checkpointer(tmp_path / "p", async_save=False)
+    ck.save(1, params=params, opt_state=state)
+    r = ck.restore(params_like=params, opt_state_like=state, mesh=m)
+    jax.tree.map(
+        lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), state, r.opt_state
+    )
+
+
+def test_saving_sharded_state_needs_tx(tmp_path, setup):
+    params, tx, _ = setup
+    m = mesh_of(2)
+    ck = jaxsync.Checkpointer(tmp_path / "x")
+    with pytest.raises(ValueError, match="needs `tx`"):
+        ck.save(1, params=params, opt_state=tx.sharded_init(params, m))
