@@ -39,11 +39,11 @@ def shard_batch(
         shape = np.shape(x)
         global_rows = shape[batch_axis] * nproc if len(shape) > batch_axis else None
         if global_rows is None or global_rows % n:
+            over = f" summed over {nproc} processes" if nproc > 1 else ""
             raise ValueError(
                 f"batch leaf {jax.tree_util.keystr(path)} has shape {shape}; its batch "
-                f"axis {batch_axis}{' summed over ' + str(nproc) + ' processes' if nproc > 1 else ''}"
-                f" must divide evenly over axis {axes} of size {n}. Use a global batch "
-                f"size that is a multiple of {n}."
+                f"axis {batch_axis}{over} must divide evenly over axis {axes} of size {n}. "
+                f"Use a global batch size that is a multiple of {n}."
             )
         if nproc == 1:
             return jax.device_put(x, sharding)

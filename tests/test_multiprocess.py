@@ -1,0 +1,153 @@
+"""Real multi-process runs: several Python processes on 127.0.0.1 with gloo."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TRAIN = os.path.join(ROOT, "examples", "train_gpt.py")
+CONFIG = os.path.join(ROOT, "tests", "data", "test_gpt.yaml")
+
+pytestmark = pytest.mark.multiprocess
+
+
+def env(devices):
+    e = dict(os.environ)
+    flags = " ".join(
+        f
+        for f in e.get("XLA_FLAGS", "").split()
+        if not f.startswith("--xla_force_host_platform_device_count")
+    )
+    e["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={devices}".strip()
+    e["JAX_PLATFORMS"] = "cpu"
+    e["PYTHONUNBUFFERED"] = "1"
+    return e
+
+
+def train(run_dir, *extra, nproc=1, devices=4, timeout=300):
+    args = [
+        TRAIN,
+        "--config",
+        CONFIG,
+        "--run-dir",
+        str(run_dir),
+        "--dump-params",
+        str(run_dir / "params.npz"),
+        *extra,
+    ]
+    if nproc > 1:
+        cmd = [
+            sys.executable,
+            "-m",
+            "jaxsync.launch",
+            "--nproc",
+            str(nproc),
+            "--devices-per-proc",
+            str(devices),
+            *args,
+        ]
+    else:
+        cmd = [sys.executable, *args]
+    out = subprocess.run(
+        cmd, env=env(devices), cwd=ROOT, capture_output=True, text=True, timeout=timeout
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return out.stdout
+
+
+def load(path):
+    with np.load(path) as f:
+        return {k: f[k] for k in f.files}
+
+
+def assert_params_close(a, b, **tol):
+    assert a.keys() == b.keys()
+    for k in a:
+        np.testing.assert_allclose(a[k], b[k], err_msg=k, **tol)
+
+
+def test_two_processes_equal_one_process(tmp_path):
+    one = tmp_path / "one"
+    two = tmp_path / "two"
+    train(one, nproc=1, devices=4)
+    out = train(two, nproc=2, devices=2)
+    assert "[0] done" in out and "4 devices on 2 process(es)" in out
+    a, b = load(one / "params.npz"), load(two / "params.npz")
+    assert_params_close(a, b, rtol=1e-4, atol=1e-5)
+    la = [json.loads(x)["loss"] for x in (one / "metrics.jsonl").read_text().splitlines()]
+    lb = [json.loads(x)["loss"] for x in (two / "metrics.jsonl").read_text().splitlines()]
+    np.testing.assert_allclose(la, lb, rtol=1e-4)
+    assert la[-1] < la[0]
+
+
+def _kill_when(proc, ready, timeout=240):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if ready():
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+            return True
+        if proc.poll() is not None:
+            return False
+        time.sleep(0.002)
+    proc.kill()
+    return False
+
+
+@pytest.mark.parametrize("when", ["training", "saving"])
+def test_sigkill_then_resume_equals_uninterrupted(tmp_path, when):
+    full, killed = tmp_path / "full", tmp_path / "killed"
+    train(full, "--steps", "12")
+    ckpts = killed / "checkpoints"
+
+    def complete():
+        return [d for d in os.listdir(ckpts) if d.isdigit()] if ckpts.exists() else []
+
+    def ready():
+        if when == "training":  # a checkpoint exists and training goes on
+            return "4" in complete()
+        return ckpts.exists() and any("tmp" in d for d in os.listdir(ckpts)) and complete()
+
+    cmd = [sys.executable, TRAIN, "--config", CONFIG, "--run-dir", str(killed), "--steps", "12"]
+    proc = subprocess.Popen(
+        cmd, env=env(4), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    assert _kill_when(proc, ready), "the run finished before it could be killed"
+    survivors = complete()
+    assert survivors and "12" not in survivors
+    if when == "saving":  # the interrupted save left only a temporary directory
+        assert any("tmp" in d for d in os.listdir(ckpts))
+    train(killed, "--steps", "12", "--resume")
+    assert_params_close(load(full / "params.npz"), load(killed / "params.npz"), rtol=0, atol=0)
+
+
+def test_launcher_stops_everyone_when_one_fails(tmp_path):
+    script = tmp_path / "fail.py"
+    script.write_text(
+        textwrap.dedent("""
+        import os, sys, time
+        if os.environ["JAXSYNC_PROCESS_ID"] == "1":
+            print("rank one gives up", flush=True)
+            sys.exit(3)
+        time.sleep(120)
+    """)
+    )
+    t0 = time.time()
+    out = subprocess.run(
+        [sys.executable, "-m", "jaxsync.launch", "--nproc", "3", str(script)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 3
+    assert "[1] rank one gives up" in out.stdout
+    assert "process 1 exited with code 3; stopping the other 2" in out.stderr
+    assert time.time() - t0 < 30
