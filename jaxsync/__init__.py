@@ -9,6 +9,11 @@ from jaxsync._src.collectives import bucket_reduce_scatter as bucket_reduce_scat
 from jaxsync._src.data import shard_batch as shard_batch
 from jaxsync._src.distributed import ProcessInfo as ProcessInfo
 from jaxsync._src.distributed import initialize as initialize
+from jaxsync._src.finalize import ExpertParallel as ExpertParallel
+from jaxsync._src.finalize import ParamSync as ParamSync
+from jaxsync._src.finalize import SequenceParallel as SequenceParallel
+from jaxsync._src.finalize import SyncRules as SyncRules
+from jaxsync._src.finalize import Tied as Tied
 from jaxsync._src.grad_sync import accumulate_grads as accumulate_grads
 from jaxsync._src.grad_sync import all_reduce_grads as all_reduce_grads
 from jaxsync._src.grad_sync import broadcast_params as broadcast_params
@@ -43,13 +48,18 @@ __all__ = [
     "DistributedOptimizer",
     "DistributedOptimizerState",
     "DynamicLossScale",
+    "ExpertParallel",
     "LossScaleState",
     "Restored",
+    "SequenceParallel",
     "StepMetrics",
+    "SyncRules",
+    "Tied",
     "Buffer",
     "BufferKey",
     "Layout",
     "ParamSlot",
+    "ParamSync",
     "PieceRange",
     "ProcessInfo",
     "accumulate_grads",

@@ -5,8 +5,13 @@ from jaxsync.launch import free_port
 
 
 def test_single_process_is_a_no_op(monkeypatch):
-    for var in ("JAXSYNC_COORDINATOR", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE",
-                "JOBSET_NAME"):
+    for var in (
+        "JAXSYNC_COORDINATOR",
+        "SLURM_NTASKS",
+        "OMPI_COMM_WORLD_SIZE",
+        "PMI_SIZE",
+        "JOBSET_NAME",
+    ):
         monkeypatch.delenv(var, raising=False)
     info = jaxsync.initialize()
     assert info.how == "single process"

@@ -19,6 +19,7 @@ import numpy as np
 
 from .axes import AxisName, bound_axes, rank, to_varying
 from .collectives import bucket_all_reduce
+from .finalize import SyncRules, sync_keys
 from .layout import BufferKey, Layout, build_layout
 
 PyTree = Any
@@ -30,6 +31,7 @@ def value_and_grad(
     axis_name: AxisName,
     argnums: int | Sequence[int] = 0,
     has_aux: bool = False,
+    rules: SyncRules | None = None,
 ) -> Callable[..., Any]:
     """Like ``jax.value_and_grad``, but returns this device's local gradients.
 
@@ -38,6 +40,11 @@ def value_and_grad(
     all-reduce is inserted; reduce the result with :func:`all_reduce_grads` or
     the distributed optimizer. The returned value is the local (per-device)
     loss; ``jax.lax.pmean`` it for logging.
+
+    With ``rules`` (:class:`SyncRules`), the gradients of matched params are also
+    kept local over the rules' pipeline/tensor axes, so that the sync (with the
+    same rules) performs those reductions bucket by bucket. Over any other axis
+    JAX's own autodiff keeps reducing replicated params, as it always does.
 
     Example:
       >>> loss, grads = jaxsync.value_and_grad(loss_fn, axis_name="data")(params, batch)
@@ -50,7 +57,14 @@ def value_and_grad(
         axes = bound_axes(axis_name, "jaxsync.value_and_grad")
         args = list(args)
         for i in nums:
-            args[i] = to_varying(args[i], axes)
+            if rules is None:
+                args[i] = to_varying(args[i], axes)
+                continue
+            shape = dict(jax.sharding.get_abstract_mesh().shape)
+            syncs = sync_keys(rules, args[i], axes, shape)
+            leaves, treedef = jax.tree.flatten(args[i])
+            owned = [to_varying(x, axes + s.owned_axes) for x, s in zip(leaves, syncs, strict=True)]
+            args[i] = jax.tree.unflatten(treedef, owned)
         return vg(*args, **kwargs)
 
     return wrapped
@@ -64,6 +78,7 @@ def accumulate_grads(
     axis_name: AxisName,
     has_aux: bool = False,
     accum_dtype: Any = jnp.float32,
+    rules: SyncRules | None = None,
 ) -> tuple[Any, PyTree]:
     """Mean loss and mean *local* gradients over microbatches, with no communication.
 
@@ -79,6 +94,7 @@ def accumulate_grads(
       has_aux: whether ``fun`` returns ``(loss, aux)``; aux of the last microbatch
         is returned.
       accum_dtype: dtype the gradients are summed in.
+      rules: finalize rules, as for :func:`value_and_grad`.
 
     Returns:
       ``(loss, grads)`` or ``((loss, aux), grads)``: means over microbatches,
@@ -95,15 +111,20 @@ def accumulate_grads(
         )
     (n,) = counts
     axes = bound_axes(axis_name, "jaxsync.accumulate_grads")
-    vg = value_and_grad(fun, axis_name=axes, has_aux=has_aux)
-    zeros = to_varying(jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), accum_dtype), params), axes)
+    vg = value_and_grad(fun, axis_name=axes, has_aux=has_aux, rules=rules)
 
     def body(acc: PyTree, mb: PyTree) -> tuple[PyTree, Any]:
         out, g = vg(params, mb)
         acc = jax.tree.map(lambda a, x: a + x.astype(accum_dtype), acc, g)
         return acc, out
 
-    total, outs = jax.lax.scan(body, zeros, microbatches)
+    # The first microbatch seeds the carry, so it has the gradients' exact type
+    # (device-varying over whichever axes they are).
+    out0, g0 = vg(params, jax.tree.map(lambda m: m[0], microbatches))
+    total = jax.tree.map(lambda g: g.astype(accum_dtype), g0)
+    rest = jax.tree.map(lambda m: m[1:], microbatches)
+    total, outs = jax.lax.scan(body, total, rest)
+    outs = jax.tree.map(lambda a, b: jnp.concatenate([a[None], b]), out0, outs)
     grads = jax.tree.map(lambda g: g / n, total)
     if has_aux:
         losses, aux = outs
@@ -111,13 +132,24 @@ def accumulate_grads(
     return jnp.mean(outs), grads
 
 
-def _sync_layout(grads: PyTree, axes: tuple[str, ...], bucket_size: int | None) -> Layout:
-    return build_layout(
-        grads,
-        num_shards=1,
-        bucket_size=bucket_size,
-        key_fn=lambda _, leaf: BufferKey(jnp.dtype(leaf.dtype).name, axes),
-    )
+def _sync_layout(
+    grads: PyTree,
+    axes: tuple[str, ...],
+    bucket_size: int | None,
+    rules: SyncRules | None = None,
+) -> Layout:
+    shape = dict(jax.sharding.get_abstract_mesh().shape)
+    syncs = sync_keys(rules, grads, axes, shape)
+    by_path = {
+        jax.tree_util.keystr(p): s
+        for (p, _), s in zip(jax.tree_util.tree_flatten_with_path(grads)[0], syncs, strict=True)
+    }
+
+    def key_fn(path: str, leaf: Any) -> BufferKey:
+        s = by_path[path]
+        return BufferKey(jnp.dtype(leaf.dtype).name, s.dp_axes, None, s.sum_axes, s.mean_axes)
+
+    return build_layout(grads, num_shards=1, bucket_size=bucket_size, key_fn=key_fn)
 
 
 def all_reduce_grads(
@@ -127,8 +159,9 @@ def all_reduce_grads(
     bucket_size: int | None = None,
     reduce_dtype: Any = jnp.float32,
     average: bool = True,
+    rules: SyncRules | None = None,
 ) -> PyTree:
-    """Bucketed all-reduce of local gradients (plain data parallelism).
+    """Bucketed all-reduce of local gradients (data parallelism + finalize rules).
 
     Args:
       grads: local gradients, e.g. from :func:`value_and_grad`.
@@ -137,12 +170,14 @@ def all_reduce_grads(
       reduce_dtype: dtype of the reduction (fp32 for bf16/fp16 models, as
         Megatron's ``grad_reduce_in_fp32``); ``None`` keeps the grad dtype.
       average: mean over ranks (``True``) or sum.
+      rules: :class:`SyncRules`: the extra tied / sequence-parallel / expert
+        reductions of Megatron's ``finalize_model_grads``, per bucket.
 
     Returns:
       The reduced gradients, each in its original dtype, typed replicated.
     """
     axes = bound_axes(axis_name, "jaxsync.all_reduce_grads")
-    layout = _sync_layout(grads, axes, bucket_size)
+    layout = _sync_layout(grads, axes, bucket_size, rules)
     return bucket_all_reduce(
         grads, layout, axis_name=axes, reduce_dtype=reduce_dtype, average=average
     )

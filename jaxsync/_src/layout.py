@@ -31,15 +31,29 @@ BUCKET_ALIGNMENT = 128
 class BufferKey(NamedTuple):
     """What decides which flat buffer a parameter goes to.
 
+    Params share a buffer only if everything about their reduction is the same,
+    so each bucket's collectives are uniform.
+
     Attributes:
       dtype: name of the parameter dtype (``"float32"``, ``"bfloat16"``...).
-      axes: mesh axes the gradient is reduced (and sharded) over.
+      axes: data-parallel mesh axes the gradient is averaged and sharded over
+        (expert params: the expert-data-parallel axes only).
       label: optimizer label (weight-decay group, ``multi_transform`` key).
+      sum_axes: further ``(axis, groups)`` the gradient is summed over before the
+        data-parallel reduction (tied stages, sequence parallelism); ``groups``
+        is None (the whole axis) or a tuple of disjoint index groups.
+      mean_axes: further axes the gradient is averaged over.
+      varying: non-data-parallel mesh axes over which the param's values differ
+        (tensor- or expert-sharded pieces, per-stage weights); the global norm
+        counts such pieces once each, and replicated copies once in all.
     """
 
     dtype: str
     axes: tuple[str, ...] = ()
     label: str | None = None
+    sum_axes: tuple[tuple[str, tuple[tuple[int, ...], ...] | None], ...] = ()
+    mean_axes: tuple[str, ...] = ()
+    varying: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +99,7 @@ class Buffer:
     used: int  # elements that hold parameters; the rest is padding
     buckets: tuple[Bucket, ...]
     slots: tuple[int, ...]
+    num_shards: int = 1  # ranks every bucket is split over
 
 
 class PieceRange(NamedTuple):
@@ -113,27 +128,38 @@ def _round_up(x: int, multiple: int) -> int:
 class Layout:
     """Frozen, hashable placement of a parameter tree in flat buffers.
 
-    Build one with :func:`build_layout`. ``num_shards`` is the number of ranks
-    every bucket is split over (1 for plain all-reduce data parallelism).
+    Build one with :func:`build_layout`. Each buffer knows the number of ranks
+    its buckets are split over (1 for plain all-reduce data parallelism).
     """
 
     treedef: Any
     slots: tuple[ParamSlot, ...]
     buffers: tuple[Buffer, ...]
-    num_shards: int
     bucket_size: int | None
 
     # ---------------------------------------------------------------- sizes
+    @property
+    def num_shards(self) -> int:
+        """The shard count shared by all buffers (an error if they differ)."""
+        counts = {b.num_shards for b in self.buffers}
+        if len(counts) != 1:
+            raise ValueError(
+                f"buffers of this layout are split over different numbers of ranks "
+                f"({sorted(counts)}); use `layout.buffers[i].num_shards`."
+            )
+        return counts.pop()
+
     def shard_size(self, buffer: int) -> int:
         """Elements of ``buffer`` that one rank owns."""
-        return self.buffers[buffer].size // self.num_shards
+        return self.buffers[buffer].size // self.buffers[buffer].num_shards
 
     def bucket_shard_offsets(self, buffer: int) -> tuple[int, ...]:
         """Offset of each bucket's per-rank piece inside the rank's local shard."""
+        n = self.buffers[buffer].num_shards
         out, acc = [], 0
         for b in self.buffers[buffer].buckets:
             out.append(acc)
-            acc += b.size // self.num_shards
+            acc += b.size // n
         return tuple(out)
 
     @property
@@ -147,13 +173,13 @@ class Layout:
     # --------------------------------------------------------------- ranges
     def shard_ranges(self, rank: int) -> tuple[PieceRange, ...]:
         """Per param piece owned by ``rank``: its buffer, shard and param ranges."""
-        if not 0 <= rank < self.num_shards:
-            raise ValueError(f"`rank` must be in [0, {self.num_shards}), got {rank}.")
         out = []
         for bi, buf in enumerate(self.buffers):
+            if not 0 <= rank < buf.num_shards:
+                raise ValueError(f"`rank` must be in [0, {buf.num_shards}), got {rank}.")
             offsets = self.bucket_shard_offsets(bi)
             for bucket, shard_off in zip(buf.buckets, offsets, strict=True):
-                k = bucket.size // self.num_shards
+                k = bucket.size // buf.num_shards
                 lo, hi = bucket.start + rank * k, bucket.start + (rank + 1) * k
                 for si in bucket.slots:
                     slot = self.slots[si]
@@ -248,8 +274,9 @@ class Layout:
     def split_shard(self, buffer: int, shard: jax.Array) -> list[jax.Array]:
         """Cut a rank's local shard of ``buffer`` into its per-bucket pieces."""
         pieces, off = [], 0
+        n = self.buffers[buffer].num_shards
         for b in self.buffers[buffer].buckets:
-            k = b.size // self.num_shards
+            k = b.size // n
             pieces.append(shard[off : off + k])
             off += k
         return pieces
@@ -257,16 +284,18 @@ class Layout:
     def shard_of(self, buffer: int, flat: jax.Array, rank: jax.Array | int) -> jax.Array:
         """Rank ``rank``'s local shard of a full flat ``buffer`` (rank may be traced)."""
         pieces = []
+        n = self.buffers[buffer].num_shards
         for b in self.buffers[buffer].buckets:
-            k = b.size // self.num_shards
+            k = b.size // n
             pieces.append(jax.lax.dynamic_slice_in_dim(flat, b.start + rank * k, k))
         return pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces)
 
     def gather_shards(self, buffer: int, stacked: jax.Array) -> jax.Array:
         """Full flat buffer from all ranks' shards stacked as ``(num_shards, shard)``."""
         parts, off = [], 0
+        n = self.buffers[buffer].num_shards
         for b in self.buffers[buffer].buckets:
-            k = b.size // self.num_shards
+            k = b.size // n
             parts.append(stacked[:, off : off + k].reshape(-1))
             off += k
         return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
@@ -274,16 +303,21 @@ class Layout:
     # --------------------------------------------------------------- report
     def summary(self) -> str:
         """A human-readable table of buffers, buckets, sizes and padding."""
+        shards = sorted({b.num_shards for b in self.buffers})
         lines = [
             f"Layout: {len(self.slots)} params, {self.num_params:,} elements, "
             f"{len(self.buffers)} buffers, {self.num_buckets} buckets, "
-            f"{self.num_shards} shards"
+            f"{'/'.join(map(str, shards))} shards"
         ]
         for bi, buf in enumerate(self.buffers):
             pad = buf.size - buf.used
             key = buf.key
             lines.append(
-                f"  buffer {bi} dtype={key.dtype} axes={key.axes} label={key.label}: "
+                f"  buffer {bi} dtype={key.dtype} axes={key.axes} label={key.label}"
+                + (f" sum={key.sum_axes}" if key.sum_axes else "")
+                + (f" mean={key.mean_axes}" if key.mean_axes else "")
+                + (f" varying={key.varying}" if key.varying else "")
+                + ": "
                 f"{buf.size:,} elements ({buf.used:,} used, {pad:,} padding), "
                 f"{len(buf.buckets)} buckets, shard {self.shard_size(bi):,}"
             )
@@ -316,7 +350,7 @@ def _default_key(path: str, leaf: Any) -> BufferKey:
 def build_layout(
     params: PyTree,
     *,
-    num_shards: int = 1,
+    num_shards: int | Callable[[BufferKey], int] = 1,
     bucket_size: int | None = None,
     key_fn: KeyFn | None = None,
 ) -> Layout:
@@ -330,7 +364,8 @@ def build_layout(
 
     Args:
       params: pytree of arrays or ``jax.ShapeDtypeStruct`` (floating dtypes only).
-      num_shards: ranks each bucket is split over (1: plain all-reduce).
+      num_shards: ranks each bucket is split over (1: plain all-reduce), or a
+        function of the buffer's key (expert buffers are split over fewer ranks).
       bucket_size: a bucket closes once it holds at least this many elements
         (a param that crosses the limit stays whole); ``None``: one bucket per buffer.
       key_fn: ``(path, leaf) -> BufferKey``; default groups by dtype alone.
@@ -343,8 +378,7 @@ def build_layout(
       >>> layout.buffers[0].size
       128
     """
-    if not isinstance(num_shards, int) or num_shards < 1:
-        raise ValueError(f"`num_shards` must be a positive int, got {num_shards!r}.")
+    shards_of = num_shards if callable(num_shards) else (lambda _key: num_shards)
     if bucket_size is not None and (not isinstance(bucket_size, int) or bucket_size <= 0):
         raise ValueError(
             f"`bucket_size` must be a positive number of elements or None (one bucket "
@@ -368,20 +402,24 @@ def build_layout(
         if not isinstance(key, BufferKey):
             raise TypeError(f"`key_fn` must return a BufferKey, got {key!r} for {name}.")
         specs.append((name, tuple(int(d) for d in np.shape(leaf)), jnp.dtype(dtype).name, key))
-    return _build(tuple(specs), treedef, num_shards, bucket_size)
+    shards = {}
+    for *_, key in specs:
+        if key not in shards:
+            n = shards_of(key)
+            if not isinstance(n, int) or n < 1:
+                raise ValueError(f"`num_shards` must be a positive int, got {n!r} for {key}.")
+            shards[key] = n
+    return _build(tuple(specs), treedef, tuple(shards.items()), bucket_size)
 
 
 @functools.lru_cache(maxsize=256)
 def _build(
     specs: tuple[tuple[str, tuple[int, ...], str, BufferKey], ...],
     treedef: Any,
-    num_shards: int,
+    shards: tuple[tuple[BufferKey, int], ...],
     bucket_size: int | None,
 ) -> Layout:
-    sharded = num_shards > 1
-    param_align = PARAM_ALIGNMENT if sharded else 1
-    bucket_align = math.lcm(num_shards, BUCKET_ALIGNMENT) if sharded else 1
-
+    shards_of = dict(shards)
     keys: list[BufferKey] = []
     members: dict[BufferKey, list[int]] = {}
     for i in reversed(range(len(specs))):  # reverse tree order
@@ -394,6 +432,10 @@ def _build(
     slots: list[ParamSlot | None] = [None] * len(specs)
     buffers = []
     for bi, key in enumerate(keys):
+        num_shards = shards_of[key]
+        sharded = num_shards > 1
+        param_align = PARAM_ALIGNMENT if sharded else 1
+        bucket_align = math.lcm(num_shards, BUCKET_ALIGNMENT) if sharded else 1
         buckets: list[Bucket] = []
         pos, bstart, current = 0, 0, []
         for n, i in enumerate(members[key]):
@@ -416,12 +458,12 @@ def _build(
                 used=sum(math.prod(specs[i][1]) for i in members[key]),
                 buckets=tuple(buckets),
                 slots=tuple(members[key]),
+                num_shards=num_shards,
             )
         )
     return Layout(
         treedef=treedef,
         slots=tuple(s for s in slots if s is not None),
         buffers=tuple(buffers),
-        num_shards=num_shards,
         bucket_size=bucket_size,
     )

@@ -9,7 +9,8 @@ from ``P * (4 + state)`` bytes to ``ceil(P / N) * (4 + state)`` plus padding.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import math
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -18,9 +19,18 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from .axes import AxisName, axes_size, bound_axes, mesh_axes_size, normalize_axes, rank
+from .axes import (
+    AxisName,
+    bound_axes,
+    mesh_axes_size,
+    normalize_axes,
+    rank,
+    to_varying,
+    varying_axes,
+)
 from .collectives import bucket_all_gather, bucket_reduce_scatter
 from .elementwise import check_elementwise
+from .finalize import ExpertParallel, SyncRules, sync_keys
 from .grad_sync import all_reduce_grads
 from .layout import BufferKey, Layout, build_layout
 from .loss_scale import (
@@ -87,27 +97,40 @@ class DistributedOptimizer(optax.GradientTransformationExtraArgs):
     :meth:`sharded_init` from outside it.
     """
 
-    def layout(self, params: PyTree, mesh: Mesh) -> Layout:
-        """The flat-buffer layout used for ``params`` on ``mesh``."""
-        return self._config.layout(params, mesh_axes_size(mesh, self._config.axes, "layout"))
+    def layout(self, params: PyTree, mesh: Mesh, param_specs: PyTree = None) -> Layout:
+        """The flat-buffer layout used for (global) ``params`` on ``mesh``.
 
-    def state_specs(self, params: PyTree, mesh: Mesh) -> DistributedOptimizerState:
-        """PartitionSpecs of the state (``P(axes)`` for shards, ``P()`` for scalars),
+        ``param_specs`` are the params' PartitionSpecs in the step's shard_map;
+        by default they are read from the arrays' ``NamedSharding`` (else ``P()``).
+        """
+        mesh_axes_size(mesh, self._config.axes, "layout")
+        return self._config.layout_outside(params, mesh, param_specs)[0]
+
+    def state_specs(
+        self, params: PyTree, mesh: Mesh, param_specs: PyTree = None
+    ) -> DistributedOptimizerState:
+        """PartitionSpecs of the state (shards over the data axes, scalars ``P()``),
         for the ``in_specs``/``out_specs`` of the shard_map that runs the step."""
-        return self._config.state_specs(params, mesh)
+        mesh_axes_size(mesh, self._config.axes, "state_specs")
+        return self._config.state_specs(params, mesh, param_specs)
 
-    def state_shardings(self, params: PyTree, mesh: Mesh) -> DistributedOptimizerState:
+    def state_shardings(
+        self, params: PyTree, mesh: Mesh, param_specs: PyTree = None
+    ) -> DistributedOptimizerState:
         """``NamedSharding``s of the global state arrays, e.g. for checkpoint restore."""
         return jax.tree.map(
             lambda s: NamedSharding(mesh, s),
-            self.state_specs(params, mesh),
+            self.state_specs(params, mesh, param_specs),
             is_leaf=lambda x: isinstance(x, P),
         )
 
-    def sharded_init(self, params: PyTree, mesh: Mesh) -> DistributedOptimizerState:
-        """Builds the global, sharded state from replicated ``params`` (outside shard_map)."""
-        specs = self.state_specs(params, mesh)
-        init = jax.shard_map(self.init, mesh=mesh, in_specs=P(), out_specs=specs)
+    def sharded_init(
+        self, params: PyTree, mesh: Mesh, param_specs: PyTree = None
+    ) -> DistributedOptimizerState:
+        """Builds the global, sharded state from global ``params`` (outside shard_map)."""
+        specs = self.state_specs(params, mesh, param_specs)
+        in_specs = param_specs_of(params, param_specs)
+        init = jax.shard_map(self.init, mesh=mesh, in_specs=(in_specs,), out_specs=specs)
         return jax.jit(init)(params)
 
     def to_portable(
@@ -170,6 +193,13 @@ class DistributedOptimizer(optax.GradientTransformationExtraArgs):
 
     def _portable_fn(self, params: PyTree, mesh: Mesh) -> tuple[Any, Any, Any]:
         layout = self.layout(params, mesh)
+        for buf in layout.buffers:
+            if buf.key.varying or buf.key.sum_axes or buf.key.mean_axes:
+                raise NotImplementedError(
+                    f"the portable (DP-size-independent) form covers data-parallel "
+                    f"buffers only; buffer {buf.key} also spans tensor/pipe/expert axes. "
+                    "Save such runs with orbax directly on the sharded state."
+                )
         names = slot_names(layout, params)
         specs = self.state_specs(params, mesh)
         axes = self._config.axes
@@ -200,11 +230,13 @@ class DistributedOptimizer(optax.GradientTransformationExtraArgs):
                 return param_sharding(mesh, axes, tuple(shape))
             return NamedSharding(mesh, P())
 
-        abstract = jax.eval_shape(lambda p: self._config.init_for_rank(p, layout, 0), params)
-        n = layout.num_shards
+        abstract = jax.eval_shape(
+            lambda p: self._config.init_for_rank(p, layout, lambda _: 0), params
+        )
+        n = {layout.shard_size(bi): b.num_shards for bi, b in enumerate(layout.buffers)}
         glob = jax.tree.map(
             lambda x, s: jax.ShapeDtypeStruct(
-                (x.shape[0] * n, *x.shape[1:]) if s != P() else x.shape, x.dtype
+                (x.shape[0] * n[x.shape[0]], *x.shape[1:]) if s != P() else x.shape, x.dtype
             ),
             abstract,
             specs,
@@ -231,7 +263,9 @@ class _Config:
         clip_grad_norm: float | None,
         loss_scale: LossScale,
         check_elementwise: bool,
+        rules: SyncRules | None = None,
     ):
+        self.rules = rules
         self.inner = inner
         self.axes = axes
         self.labels = labels
@@ -262,24 +296,72 @@ class _Config:
             )
         return labels
 
-    def layout(self, params: PyTree, num_shards: int) -> Layout:
+    def layout(
+        self,
+        params: PyTree,
+        mesh_shape: Mapping[str, int],
+        varying: Sequence[tuple[str, ...]],
+    ) -> Layout:
+        """The layout for local params, given which non-DP axes each one varies over."""
+        leaves = jax.tree_util.tree_flatten_with_path(params)[0]
         labels = self.label_tree(params)
-        by_path = {}
+        labs = [None] * len(leaves)
         if labels is not None:
-            for (path, _), lab in zip(
-                jax.tree_util.tree_flatten_with_path(params)[0],
-                jax.tree.leaves(jax.tree.map(lambda _, lab: lab, params, labels)),
-                strict=True,
-            ):
-                by_path[jax.tree_util.keystr(path)] = lab
-        axes = self.axes
+            labs = jax.tree.leaves(jax.tree.map(lambda _, lab: lab, params, labels))
+        syncs = sync_keys(self.rules, params, self.axes, mesh_shape)
+        by_path = {}
+        for (path, _), lab, sync, var in zip(leaves, labs, syncs, varying, strict=True):
+            name = jax.tree_util.keystr(path)
+            bad = set(var) & set(sync.dp_axes)
+            if bad:
+                raise ValueError(
+                    f"param {param_name(path)} differs across data-parallel axes {sorted(bad)}; "
+                    "params must be replicated over the axes the optimizer shards over. Pass "
+                    "it with a PartitionSpec that does not name those axes (or mark an "
+                    "expert axis with jaxsync.ExpertParallel)."
+                )
+            by_path[name] = (lab, sync, tuple(sorted(var)))
 
         def key_fn(path: str, leaf: Any) -> BufferKey:
-            return BufferKey(jnp.dtype(leaf.dtype).name, axes, by_path.get(path))
+            lab, sync, var = by_path[path]
+            return BufferKey(
+                jnp.dtype(leaf.dtype).name, sync.dp_axes, lab, sync.sum_axes, sync.mean_axes, var
+            )
 
         return build_layout(
-            params, num_shards=num_shards, bucket_size=self.bucket_size, key_fn=key_fn
+            params,
+            num_shards=lambda key: math.prod(mesh_shape[a] for a in key.axes),
+            bucket_size=self.bucket_size,
+            key_fn=key_fn,
         )
+
+    def layout_inside(self, params: PyTree) -> Layout:
+        """Layout inside shard_map: local shapes, varying axes from the params' types."""
+        mesh_shape = dict(jax.sharding.get_abstract_mesh().shape)
+        dp = set(self.axes)
+        dp_only = dp - self.expert_axes()
+        varying = [tuple(varying_axes(x) - dp_only) for x in jax.tree.leaves(params)]
+        return self.layout(params, mesh_shape, varying)
+
+    def layout_outside(
+        self, params: PyTree, mesh: Mesh, param_specs: PyTree = None
+    ) -> tuple[Layout, PyTree, PyTree]:
+        """Layout from global params (outside shard_map): (layout, local params, specs)."""
+        specs = param_specs_of(params, param_specs)
+        local = jax.tree.map(
+            lambda x, spec: jax.ShapeDtypeStruct(local_shape(x.shape, spec, mesh), x.dtype),
+            params,
+            specs,
+            is_leaf=lambda x: isinstance(x, P),
+        )
+        is_spec = lambda x: isinstance(x, P)  # noqa: E731
+        varying = [spec_axes(spec) for spec in jax.tree.leaves(specs, is_leaf=is_spec)]
+        return self.layout(local, dict(mesh.shape), varying), local, specs
+
+    def expert_axes(self) -> set[str]:
+        if self.rules is None:
+            return set()
+        return {r.axis for _, r in self.rules.rules if isinstance(r, ExpertParallel)}
 
     def inner_for(self, layout: Layout, buffer: int) -> optax.GradientTransformation:
         label = layout.buffers[buffer].key.label
@@ -287,12 +369,12 @@ class _Config:
 
     # --------------------------------------------------------------- init
     def init_for_rank(
-        self, params: PyTree, layout: Layout, r: jax.Array | int
+        self, params: PyTree, layout: Layout, rank_of: Callable[[int], Any]
     ) -> DistributedOptimizerState:
         flat = layout.flatten(params, jnp.float32)
         master, inner_state = [], []
         for bi in range(len(layout.buffers)):
-            shard = layout.shard_of(bi, flat[bi], r)
+            shard = layout.shard_of(bi, flat[bi], rank_of(bi))
             master.append(shard)
             inner_state.append(self.inner_for(layout, bi).init(shard))
         zero_f, zero_i = jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32)
@@ -313,24 +395,58 @@ class _Config:
             what = "all params" if buf.key.label is None else f"label {buf.key.label!r}"
             check_elementwise(self.inner_for(layout, bi), sub, what)
 
-    def state_specs(self, params: PyTree, mesh: Mesh) -> DistributedOptimizerState:
-        n = mesh_axes_size(mesh, self.axes, "state_specs")
-        layout = self.layout(params, n)
-        shapes = jax.eval_shape(lambda p: self.init_for_rank(p, layout, 0), params)
-        sharded = P(self.axes if len(self.axes) > 1 else self.axes[0])
+    def state_specs(
+        self, params: PyTree, mesh: Mesh, param_specs: PyTree = None
+    ) -> DistributedOptimizerState:
+        layout, local, _ = self.layout_outside(params, mesh, param_specs)
+        shapes = jax.eval_shape(lambda p: self.init_for_rank(p, layout, lambda _: 0), local)
 
         def spec_for(bi: int) -> Callable[[Any], P]:
             size = layout.shard_size(bi)
+            key = layout.buffers[bi].key
+            sharded = P(key.axes + key.varying)
             return lambda x: sharded if x.ndim >= 1 and x.shape[0] == size else P()
 
         return DistributedOptimizerState(
-            master=tuple(sharded for _ in shapes.master),
+            master=tuple(spec_for(bi)(m) for bi, m in enumerate(shapes.master)),
             inner_state=tuple(
                 jax.tree.map(spec_for(bi), s) for bi, s in enumerate(shapes.inner_state)
             ),
             loss_scale=jax.tree.map(lambda _: P(), shapes.loss_scale),
             metrics=jax.tree.map(lambda _: P(), shapes.metrics),
         )
+
+
+def param_specs_of(params: PyTree, param_specs: PyTree = None) -> PyTree:
+    """The params' PartitionSpecs: given, else read from NamedShardings, else ``P()``."""
+    if param_specs is not None:
+        return param_specs
+    return jax.tree.map(
+        lambda x: (
+            x.sharding.spec if isinstance(getattr(x, "sharding", None), NamedSharding) else P()
+        ),
+        params,
+    )
+
+
+def spec_axes(spec: P) -> tuple[str, ...]:
+    out = []
+    for entry in spec:
+        if entry is None:
+            continue
+        out.extend((entry,) if isinstance(entry, str) else entry)
+    return tuple(sorted(out))
+
+
+def local_shape(shape: tuple[int, ...], spec: P, mesh: Mesh) -> tuple[int, ...]:
+    """Per-device shape of a global array sharded by ``spec`` over ``mesh``."""
+    out = list(shape)
+    for dim, entry in enumerate(spec):
+        if entry is None:
+            continue
+        n = math.prod(mesh.shape[a] for a in ((entry,) if isinstance(entry, str) else entry))
+        out[dim] //= n
+    return tuple(out)
 
 
 NEED_PARAMS = (
@@ -350,6 +466,7 @@ def distributed_optimizer(
     clip_grad_norm: float | None = None,
     loss_scale: LossScale = None,
     check_elementwise: bool = True,
+    rules: SyncRules | None = None,
 ) -> DistributedOptimizer:
     """Wraps an elementwise optax optimizer into a ZeRO sharded optimizer.
 
@@ -379,6 +496,10 @@ def distributed_optimizer(
         fp16; multiply your loss by ``state.loss_scale.scale``.
       check_elementwise: probe ``inner`` once to reject transformations that
         are not elementwise (and so would train wrong on flat shards).
+      rules: :class:`SyncRules` for params that also need reductions over pipeline,
+        tensor or expert axes (compute the gradients with the same rules in
+        :func:`jaxsync.value_and_grad`). Expert buffers are sharded over the
+        expert-data-parallel axes only.
 
     Returns:
       A :class:`DistributedOptimizer` (an ``optax.GradientTransformationExtraArgs``).
@@ -425,13 +546,14 @@ def distributed_optimizer(
         clip_grad_norm,
         loss_scale,
         check_elementwise,
+        rules,
     )
 
     def init_fn(params: PyTree) -> DistributedOptimizerState:
         bound_axes(axes, "distributed_optimizer.init")
-        layout = cfg.layout(params, axes_size(axes))
+        layout = cfg.layout_inside(params)
         cfg.check(params, layout)
-        return cfg.init_for_rank(params, layout, rank(axes))
+        return cfg.init_for_rank(params, layout, lambda bi: rank(layout.buffers[bi].key.axes))
 
     def update_fn(
         grads: PyTree, state: DistributedOptimizerState, params: PyTree | None = None, **extra
@@ -440,7 +562,7 @@ def distributed_optimizer(
         if params is None:
             raise ValueError(NEED_PARAMS)
         bound_axes(axes, "distributed_optimizer.update")
-        layout = cfg.layout(params, axes_size(axes))
+        layout = cfg.layout_inside(params)
         layout.check_tree(grads, "grads")
         inv_scale = 1.0 / state.loss_scale.scale
         shards = bucket_reduce_scatter(
@@ -448,16 +570,33 @@ def distributed_optimizer(
         )
 
         # One small all-reduce for the norm and the zero count of the whole model.
-        local = jnp.stack(
-            [
-                sum(jnp.sum(jnp.square(s.astype(jnp.float32))) for s in shards),
-                sum(jnp.sum(s == 0).astype(jnp.float32) for s in shards),
-            ]
-        )
-        total = jax.lax.psum(local, axes)
+        # One small all-reduce over the whole mesh for the norm and the zero count.
+        # Every logical element counts once: shards are disjoint over their buffer's
+        # axes, pieces over the `varying` axes are distinct, and copies replicated
+        # over the remaining axes are weighted by 1 / (number of copies).
+        mesh_shape = dict(jax.sharding.get_abstract_mesh().shape)
+        all_axes = tuple(mesh_shape)
+        stats, padding = [], 0.0
+        for bi, (s, buf) in enumerate(zip(shards, layout.buffers, strict=True)):
+            key = buf.key
+            copies = math.prod(
+                n for a, n in mesh_shape.items() if a not in key.axes and a not in key.varying
+            )
+            stat = (
+                jnp.stack(
+                    [
+                        jnp.sum(jnp.square(s.astype(jnp.float32))),
+                        jnp.sum(s == 0).astype(jnp.float32),
+                    ]
+                )
+                / copies
+            )
+            stats.append(to_varying(stat, all_axes))
+            padding += (buf.size - buf.used) * math.prod(mesh_shape[a] for a in key.varying)
+            del bi
+        total = jax.lax.psum(sum(stats), all_axes)
         grad_norm = jnp.sqrt(total[0])
-        padding = sum(b.size - b.used for b in layout.buffers)
-        num_zeros = (total[1] - padding).astype(jnp.int32)
+        num_zeros = jnp.round(total[1] - padding).astype(jnp.int32)
         finite = jnp.isfinite(grad_norm)
 
         if clip_grad_norm is not None:
@@ -521,6 +660,7 @@ def sync_grads(
     bucket_size: int | None = None,
     reduce_dtype: Any = jnp.float32,
     average: bool = True,
+    rules: SyncRules | None = None,
 ) -> optax.GradientTransformation:
     """Plain data parallelism as an optax transformation: bucketed all-reduce.
 
@@ -548,6 +688,7 @@ def sync_grads(
             bucket_size=bucket_size,
             reduce_dtype=reduce_dtype,
             average=average,
+            rules=rules,
         )
         return reduced, state
 

@@ -66,7 +66,7 @@ def shards_to_params(
     layout: Layout, buffer: int, global_shards: jax.Array, names: list[str]
 ) -> dict[str, jax.Array]:
     """Global ``(N * shard,)`` array of one buffer -> ``{param name: array}``."""
-    stacked = global_shards.reshape(layout.num_shards, -1)
+    stacked = global_shards.reshape(layout.buffers[buffer].num_shards, -1)
     flat = layout.gather_shards(buffer, stacked)
     out = {}
     for si in layout.buffers[buffer].slots:
@@ -84,7 +84,7 @@ def params_to_shards(
     for si in buf.slots:
         slot = layout.slots[si]
         flat = flat.at[slot.start : slot.end].set(jnp.ravel(arrays[names[si]]))
-    parts = [flat[b.start : b.end].reshape(layout.num_shards, -1) for b in buf.buckets]
+    parts = [flat[b.start : b.end].reshape(buf.num_shards, -1) for b in buf.buckets]
     return jnp.concatenate(parts, axis=1).reshape(-1)
 
 
