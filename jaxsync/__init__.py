@@ -14,6 +14,12 @@ from jaxsync._src.finalize import ParamSync as ParamSync
 from jaxsync._src.finalize import SequenceParallel as SequenceParallel
 from jaxsync._src.finalize import SyncRules as SyncRules
 from jaxsync._src.finalize import Tied as Tied
+from jaxsync._src.fsdp import FullyShard as FullyShard
+from jaxsync._src.fsdp import MixedPrecision as MixedPrecision
+from jaxsync._src.fsdp import clip_by_global_norm as clip_by_global_norm
+from jaxsync._src.fsdp import fully_shard as fully_shard
+from jaxsync._src.fsdp import host_offload_supported as host_offload_supported
+from jaxsync._src.fsdp import offload as offload
 from jaxsync._src.grad_sync import accumulate_grads as accumulate_grads
 from jaxsync._src.grad_sync import all_reduce_grads as all_reduce_grads
 from jaxsync._src.grad_sync import broadcast_params as broadcast_params
@@ -49,7 +55,9 @@ __all__ = [
     "DistributedOptimizerState",
     "DynamicLossScale",
     "ExpertParallel",
+    "FullyShard",
     "LossScaleState",
+    "MixedPrecision",
     "Restored",
     "SequenceParallel",
     "StepMetrics",
@@ -69,11 +77,15 @@ __all__ = [
     "bucket_all_reduce",
     "bucket_reduce_scatter",
     "build_layout",
+    "clip_by_global_norm",
     "collective_stats",
     "distributed_optimizer",
+    "fully_shard",
+    "host_offload_supported",
     "initialize",
     "lowered_collective_counts",
     "nonfinite_grads",
+    "offload",
     "param_name",
     "normalize_axes",
     "raise_if_nonfinite",
