@@ -52,15 +52,14 @@ def count_collectives(hlo_text: str) -> dict[str, int]:
 count_lowered_collectives = jaxsync.lowered_collective_counts
 
 
-def run_sharded(mesh, tx, params, batches, loss_fn=mlp_loss, axis="data", scale_loss=False):
-    """Trains with a jaxsync sharded optimizer inside shard_map; returns params, state."""
+def sharded_step(mesh, tx, params, loss_fn=mlp_loss, axis="data", scale_loss=False, donate=False):
+    """The jitted shard_map training step of a jaxsync sharded optimizer."""
     import optax
     from jax.sharding import PartitionSpec as P
 
-    state = tx.sharded_init(params, mesh)
     specs = tx.state_specs(params, mesh)
 
-    @jax.jit
+    @partial(jax.jit, donate_argnums=(0, 1) if donate else ())
     @partial(jax.shard_map, mesh=mesh, in_specs=(P(), specs, P(axis)), out_specs=(P(), specs))
     def step(params, state, batch):
         def scaled(p, b):
@@ -71,11 +70,17 @@ def run_sharded(mesh, tx, params, batches, loss_fn=mlp_loss, axis="data", scale_
         updates, state = tx.update(grads, state, params)
         return optax.apply_updates(params, updates), state
 
+    return step
+
+
+def run_sharded(mesh, tx, params, batches, loss_fn=mlp_loss, axis="data", scale_loss=False):
+    """Trains with a jaxsync sharded optimizer inside shard_map; returns params, state."""
+    state = tx.sharded_init(params, mesh)
+    step = sharded_step(mesh, tx, params, loss_fn, axis, scale_loss)
     xs, ys = batches
     for i in range(xs.shape[0]):
-        params, state = step(
-            params, state, jaxsync.shard_batch((xs[i], ys[i]), mesh, axis_name=axis)
-        )
+        batch = jaxsync.shard_batch((xs[i], ys[i]), mesh, axis_name=axis)
+        params, state = step(params, state, batch)
     return params, state
 
 

@@ -1,12 +1,11 @@
 import os
-from functools import partial
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import make_batches, mlp_loss, mlp_params
+from helpers import make_batches, mlp_loss, mlp_params, sharded_step
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -18,14 +17,7 @@ def mesh_of(n):
 
 
 def trainer(mesh, tx, params):
-    specs = tx.state_specs(params, mesh)
-
-    @jax.jit
-    @partial(jax.shard_map, mesh=mesh, in_specs=(P(), specs, P("data")), out_specs=(P(), specs))
-    def step(params, state, batch):
-        _, grads = jaxsync.value_and_grad(mlp_loss, axis_name="data")(params, batch)
-        updates, state = tx.update(grads, state, params)
-        return optax.apply_updates(params, updates), state
+    step = sharded_step(mesh, tx, params)
 
     def run(params, state, batches, lo, hi):
         params = jax.device_put(params, NamedSharding(mesh, P()))

@@ -14,6 +14,7 @@ from helpers import (
     mlp_params,
     run_reference,
     run_sharded,
+    sharded_step,
 )
 from jax.sharding import PartitionSpec as P
 
@@ -196,13 +197,8 @@ def test_init_on_shape_dtype_structs_and_stable_state(mesh8):
         lambda a, b: (a.shape, a.dtype) == (b.shape, b.dtype) or pytest.fail(), abstract, state0
     )
 
-    @partial(jax.jit, donate_argnums=(0, 1))
-    @partial(jax.shard_map, mesh=mesh8, in_specs=(P(), specs, P("data")), out_specs=(P(), specs))
-    def step(params, state, batch):
-        _, grads = jaxsync.value_and_grad(mlp_loss, axis_name="data")(params, batch)
-        updates, state = tx.update(grads, state, params)
-        return optax.apply_updates(params, updates), state
-
+    assert jax.tree.map(lambda s: s, specs) == tx.state_specs(params, mesh8)
+    step = sharded_step(mesh8, tx, params, donate=True)
     xs, ys = make_batches(jax.random.PRNGKey(1), 3, BATCH)
     shardings0 = jax.tree.map(lambda x: x.sharding, state0)
     types0 = jax.tree.map(lambda x: (x.shape, x.dtype), state0)
@@ -219,16 +215,8 @@ def test_compiled_step_collectives_per_bucket(mesh8):
     params = mlp_params(jax.random.PRNGKey(0))
     tx = jaxsync.distributed_optimizer(optax.adam(1e-2), axis_name="data", bucket_size=300)
     layout = tx.layout(params, mesh8)
-    specs = tx.state_specs(params, mesh8)
     state = tx.sharded_init(params, mesh8)
-
-    @jax.jit
-    @partial(jax.shard_map, mesh=mesh8, in_specs=(P(), specs, P("data")), out_specs=(P(), specs))
-    def step(params, state, batch):
-        _, grads = jaxsync.value_and_grad(mlp_loss, axis_name="data")(params, batch)
-        updates, state = tx.update(grads, state, params)
-        return optax.apply_updates(params, updates), state
-
+    step = sharded_step(mesh8, tx, params)
     xs, ys = make_batches(jax.random.PRNGKey(1), 1, BATCH)
     lowered = step.lower(params, state, jaxsync.shard_batch((xs[0], ys[0]), mesh8))
     k = layout.num_buckets
@@ -260,18 +248,7 @@ def test_fp16_loss_scale_skips_nonfinite_step_and_backs_off(mesh8):
     xs, ys = make_batches(jax.random.PRNGKey(1), 4, BATCH)
     # step 0: clean, step 1: Inf in one rank's data, steps 2-3: clean
     xs = xs.at[1, 5, 0].set(jnp.inf)
-    specs = tx.state_specs(params, mesh8)
-
-    @jax.jit
-    @partial(jax.shard_map, mesh=mesh8, in_specs=(P(), specs, P("data")), out_specs=(P(), specs))
-    def step(params, state, batch):
-        def loss(p, b):
-            return mlp_loss(p, b) * state.loss_scale.scale
-
-        _, grads = jaxsync.value_and_grad(loss, axis_name="data")(params, batch)
-        updates, state = tx.update(grads, state, params)
-        return optax.apply_updates(params, updates), state
-
+    step = sharded_step(mesh8, tx, params, scale_loss=True)  # loss x state.loss_scale.scale
     state = tx.sharded_init(params, mesh8)
     history = []
     for i in range(4):
