@@ -103,8 +103,9 @@ def _kill_when(proc, ready, timeout=240):
 
 @pytest.mark.parametrize("when", ["training", "saving"])
 def test_sigkill_then_resume_equals_uninterrupted(tmp_path, when):
+    # 40 steps with a checkpoint every 4: plenty of saves to land a kill in.
     full, killed = tmp_path / "full", tmp_path / "killed"
-    train(full, "--steps", "12")
+    train(full, "--steps", "40")
     ckpts = killed / "checkpoints"
 
     def complete():
@@ -115,16 +116,16 @@ def test_sigkill_then_resume_equals_uninterrupted(tmp_path, when):
             return "4" in complete()
         return ckpts.exists() and any("tmp" in d for d in os.listdir(ckpts)) and complete()
 
-    cmd = [sys.executable, TRAIN, "--config", CONFIG, "--run-dir", str(killed), "--steps", "12"]
+    cmd = [sys.executable, TRAIN, "--config", CONFIG, "--run-dir", str(killed), "--steps", "40"]
     proc = subprocess.Popen(
         cmd, env=env(4), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )
     assert _kill_when(proc, ready), "the run finished before it could be killed"
     survivors = complete()
-    assert survivors and "12" not in survivors
+    assert survivors and "40" not in survivors
     if when == "saving":  # the interrupted save left only a temporary directory
         assert any("tmp" in d for d in os.listdir(ckpts))
-    train(killed, "--steps", "12", "--resume")
+    train(killed, "--steps", "40", "--resume")
     assert_params_close(load(full / "params.npz"), load(killed / "params.npz"), rtol=0, atol=0)
 
 
