@@ -280,3 +280,29 @@ def test_integer_param_rejected(mesh8):
 
     with pytest.raises(TypeError, match=r"\['count'\] has dtype int32"):
         jax.jit(f)({"w": jnp.zeros(3), "count": jnp.zeros((), jnp.int32)})
+
+
+def test_reduce_scatter_gives_each_rank_its_layout_ranges(mesh8):
+    """Megatron's three ranges, as the layout states them, are what each rank receives."""
+    params = mlp_params(jax.random.PRNGKey(0))
+    layout = jaxsync.build_layout(
+        params, num_shards=8, bucket_size=250,
+        key_fn=lambda _, x: jaxsync.BufferKey(jnp.dtype(x.dtype).name, ("data",)))
+    assert layout.num_buckets > 1
+
+    @jax.jit
+    @partial(jax.shard_map, mesh=mesh8, in_specs=P(), out_specs=P("data"))
+    def scatter(params):
+        local = jax.tree.map(lambda p: jax.lax.pcast(p, "data", to="varying"), params)
+        return jaxsync.bucket_reduce_scatter(local, layout, axis_name="data")[0]
+
+    shards = np.asarray(scatter(params)).reshape(8, -1)
+    leaves = [np.ravel(np.asarray(x)) for x in jax.tree.leaves(params)]
+    covered = 0
+    for r in range(8):
+        for piece in layout.shard_ranges(r):
+            lo, hi = piece.in_shard
+            plo, phi = piece.in_param
+            np.testing.assert_allclose(shards[r][lo:hi], leaves[piece.slot][plo:phi], rtol=1e-6)
+            covered += hi - lo
+    assert covered == sum(x.size for x in leaves)
