@@ -269,8 +269,9 @@ def main() -> None:
             f"{r['step_ms'] / fl:.2f}x",
         )
     Console(width=200).print(table)
-    Console(width=200).print("AR / RS / AG = all-reduce / reduce-scatter / all-gather: "
-                             "buffers communicated: MiB")
+    Console(width=200).print(
+        "AR / RS / AG = all-reduce / reduce-scatter / all-gather: buffers communicated: MiB"
+    )
 
 
 if __name__ == "__main__":

@@ -383,3 +383,57 @@ def test_param_sharded_over_a_data_axis_is_rejected(moe_mesh):
     params = put(moe_params(jax.random.PRNGKey(0)), moe_mesh, MOE_SPECS)
     with pytest.raises(ValueError, match=r"param experts.w1 differs across data-parallel axes"):
         tx.sharded_init(params, moe_mesh)
+
+
+def _pp_step(mesh, tx, params):
+    specs = tx.state_specs(params, mesh)
+
+    @jax.jit
+    @partial(
+        jax.shard_map,
+        mesh=mesh,
+        in_specs=(PP_SPECS, specs, P("data", "tensor")),
+        out_specs=(PP_SPECS, specs),
+    )
+    def step(params, state, batch):
+        _, g = jaxsync.value_and_grad(pp_local_loss, axis_name="data", rules=PP_RULES)(
+            params, batch
+        )
+        updates, state = tx.update(g, state, params)
+        return optax.apply_updates(params, updates), state
+
+    def run(params, state, toks, tgts, lo, hi):
+        for i in range(lo, hi):
+            batch = jax.device_put((toks[i], tgts[i]), NamedSharding(mesh, P("data", "tensor")))
+            params, state = step(params, state, batch)
+        return params, state
+
+    return run
+
+
+def test_model_parallel_state_checkpoint_resumes_on_fewer_data_ranks(tmp_path, pp_mesh):
+    """Tensor/pipe-sharded optimizer state is saved per (global) parameter too."""
+    params = pp_params(jax.random.PRNGKey(0))
+    toks, tgts = pp_batches(jax.random.PRNGKey(1), 4)
+    tx = jaxsync.distributed_optimizer(
+        optax.adam(1e-2), axis_name="data", rules=PP_RULES, bucket_size=64
+    )
+    small = jax.make_mesh((1, 2, 2), ("data", "pipe", "tensor"), devices=jax.devices()[:4])
+    p8 = put(params, pp_mesh, PP_SPECS)
+    p8, s8 = _pp_step(pp_mesh, tx, p8)(p8, tx.sharded_init(p8, pp_mesh), toks, tgts, 0, 2)
+    port = tx.to_portable(s8, p8, pp_mesh)
+    np.testing.assert_allclose(  # the saved master of a tensor-sharded weight is global
+        np.asarray(port["master"]["stages.w1"]), np.asarray(p8["stages"]["w1"]), rtol=1e-6
+    )
+    ckpt = jaxsync.Checkpointer(tmp_path / "ckpt", async_save=False)
+    ckpt.save(2, params=p8, opt_state=s8, tx=tx, mesh=pp_mesh)
+    ref, _ = _pp_step(pp_mesh, tx, p8)(p8, s8, toks, tgts, 2, 4)
+
+    like = put(params, small, PP_SPECS)
+    r = ckpt.restore(params_like=like, tx=tx, mesh=small)
+    back = tx.to_portable(r.opt_state, r.params, small)
+    jax.tree.map(
+        lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), port, back
+    )
+    got, _ = _pp_step(small, tx, r.params)(r.params, r.opt_state, toks, tgts, 2, 4)
+    close(ref, got, rtol=1e-5, atol=1e-6)

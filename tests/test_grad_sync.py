@@ -286,8 +286,11 @@ def test_reduce_scatter_gives_each_rank_its_layout_ranges(mesh8):
     """Megatron's three ranges, as the layout states them, are what each rank receives."""
     params = mlp_params(jax.random.PRNGKey(0))
     layout = jaxsync.build_layout(
-        params, num_shards=8, bucket_size=250,
-        key_fn=lambda _, x: jaxsync.BufferKey(jnp.dtype(x.dtype).name, ("data",)))
+        params,
+        num_shards=8,
+        bucket_size=250,
+        key_fn=lambda _, x: jaxsync.BufferKey(jnp.dtype(x.dtype).name, ("data",)),
+    )
     assert layout.num_buckets > 1
 
     @jax.jit

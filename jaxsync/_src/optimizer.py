@@ -157,7 +157,9 @@ class DistributedOptimizer(optax.GradientTransformationExtraArgs):
         self, portable: dict[str, Any], params: PyTree, mesh: Mesh
     ) -> DistributedOptimizerState:
         """Inverse of :meth:`to_portable` onto ``mesh``, whose DP size may differ."""
-        layout = self.layout(params, mesh)
+        layout, _, pspecs = self._config.layout_outside(params, mesh)
+        pspecs = jax.tree.leaves(pspecs, is_leaf=lambda x: isinstance(x, P))
+        sizes = dict(mesh.shape)
         names = slot_names(layout, params)
         specs = self.state_specs(params, mesh)
         missing = sorted(set(names) - set(portable.get("master", {})))
@@ -170,12 +172,14 @@ class DistributedOptimizer(optax.GradientTransformationExtraArgs):
         def fn(portable: dict[str, Any]) -> DistributedOptimizerState:
             master, inner = [], []
             for bi in range(len(layout.buffers)):
-                master.append(params_to_shards(layout, bi, portable["master"], names))
+                master.append(
+                    params_to_shards(layout, bi, portable["master"], names, pspecs, sizes)
+                )
                 saved = portable["inner_state"][buffer_name(layout, bi)]
                 inner.append(
                     jax.tree.map(
                         lambda s, x, bi=bi: (
-                            params_to_shards(layout, bi, x, names) if s != P() else x
+                            params_to_shards(layout, bi, x, names, pspecs, sizes) if s != P() else x
                         ),
                         specs.inner_state[bi],
                         saved,
@@ -192,26 +196,25 @@ class DistributedOptimizer(optax.GradientTransformationExtraArgs):
         return convert(fn, (portable,), mesh, self.state_shardings(params, mesh))
 
     def _portable_fn(self, params: PyTree, mesh: Mesh) -> tuple[Any, Any, Any]:
-        layout = self.layout(params, mesh)
-        for buf in layout.buffers:
-            if buf.key.varying or buf.key.sum_axes or buf.key.mean_axes:
-                raise NotImplementedError(
-                    f"the portable (DP-size-independent) form covers data-parallel "
-                    f"buffers only; buffer {buf.key} also spans tensor/pipe/expert axes. "
-                    "Save such runs with orbax directly on the sharded state."
-                )
+        layout, local, pspecs = self._config.layout_outside(params, mesh)
+        pspecs = jax.tree.leaves(pspecs, is_leaf=lambda x: isinstance(x, P))
+        sizes = dict(mesh.shape)
         names = slot_names(layout, params)
         specs = self.state_specs(params, mesh)
         axes = self._config.axes
-        by_name = {names[i]: layout.slots[i].shape for i in range(len(layout.slots))}
+        leaves = jax.tree.leaves(params)
+        by_name = {names[i]: (tuple(leaves[i].shape), pspecs[i]) for i in range(len(names))}
 
         def fn(state: DistributedOptimizerState) -> dict[str, Any]:
+            def to_params(bi: int, x: jax.Array) -> dict[str, jax.Array]:
+                return shards_to_params(layout, bi, x, names, pspecs, sizes)
+
             master: dict[str, jax.Array] = {}
             inner = {}
             for bi in range(len(layout.buffers)):
-                master.update(shards_to_params(layout, bi, state.master[bi], names))
+                master.update(to_params(bi, state.master[bi]))
                 inner[buffer_name(layout, bi)] = jax.tree.map(
-                    lambda s, x, bi=bi: shards_to_params(layout, bi, x, names) if s != P() else x,
+                    lambda s, x, bi=bi: to_params(bi, x) if s != P() else x,
                     specs.inner_state[bi],
                     state.inner_state[bi],
                     is_leaf=lambda x: isinstance(x, P),
@@ -224,19 +227,25 @@ class DistributedOptimizer(optax.GradientTransformationExtraArgs):
             }
 
         def sharding_for(path: Any, x: Any) -> NamedSharding:
+            # Per-param arrays: sharded like the param where it is model-parallel,
+            # else over the data axes where the leading dimension divides.
             name = param_name(path[-1:]) if path else ""
-            shape = getattr(x, "shape", ())
-            if name in by_name and tuple(shape) == by_name[name]:
-                return param_sharding(mesh, axes, tuple(shape))
+            shape = tuple(getattr(x, "shape", ()))
+            if name in by_name and shape == by_name[name][0]:
+                if by_name[name][1] != P():
+                    return NamedSharding(mesh, by_name[name][1])
+                return param_sharding(mesh, axes, shape)
             return NamedSharding(mesh, P())
 
         abstract = jax.eval_shape(
-            lambda p: self._config.init_for_rank(p, layout, lambda _: 0), params
+            lambda p: self._config.init_for_rank(p, layout, lambda _: 0), local
         )
-        n = {layout.shard_size(bi): b.num_shards for bi, b in enumerate(layout.buffers)}
         glob = jax.tree.map(
             lambda x, s: jax.ShapeDtypeStruct(
-                (x.shape[0] * n[x.shape[0]], *x.shape[1:]) if s != P() else x.shape, x.dtype
+                (x.shape[0] * math.prod(sizes[a] for a in spec_axes(s)), *x.shape[1:])
+                if s != P()
+                else x.shape,
+                x.dtype,
             ),
             abstract,
             specs,

@@ -16,6 +16,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -38,10 +39,20 @@ def param_name(path: tuple[Any, ...]) -> str:
 
 
 def buffer_name(layout: Layout, buffer: int) -> str:
-    """Names a buffer by what decides it (dtype, axes, label), never by its size."""
+    """Names a buffer by what decides it (dtype, axes, label, rules), never by its size."""
     key = layout.buffers[buffer].key
-    axes = "+".join(key.axes) or "none"
-    return f"{key.dtype}.{axes}.{key.label or 'all'}"
+    parts = [key.dtype, "+".join(key.axes) or "none", key.label or "all"]
+    if key.sum_axes:
+        sums = [
+            a if g is None else a + "_g" + "_".join("-".join(map(str, m)) for m in g)
+            for a, g in key.sum_axes
+        ]
+        parts.append("sum-" + "+".join(sums))
+    if key.mean_axes:
+        parts.append("mean-" + "+".join(key.mean_axes))
+    if key.varying:
+        parts.append("varying-" + "+".join(key.varying))
+    return ".".join(parts)
 
 
 def slot_names(layout: Layout, params: PyTree) -> list[str]:
@@ -62,30 +73,92 @@ def param_sharding(mesh: Mesh, axes: tuple[str, ...], shape: tuple[int, ...]) ->
     return NamedSharding(mesh, spec)
 
 
+def _entries(spec: P, ndim: int) -> list[tuple[str, ...]]:
+    """Mesh axes of each array dimension in ``spec`` (``()`` where unsharded)."""
+    out = []
+    for d in range(ndim):
+        e = spec[d] if d < len(spec) else None
+        out.append(() if e is None else ((e,) if isinstance(e, str) else tuple(e)))
+    return out
+
+
+def assemble(stacked: jax.Array, spec: P, varying: tuple[str, ...]) -> jax.Array:
+    """``(*n_varying, *local)`` pieces of a param -> the global param (by ``spec``)."""
+    nv = len(varying)
+    local = stacked.shape[nv:]
+    perm, shape = [], []
+    for d, axes in enumerate(_entries(spec, len(local))):
+        perm += [varying.index(a) for a in axes] + [nv + d]
+        shape.append(local[d] * int(np.prod([stacked.shape[varying.index(a)] for a in axes])))
+    return jnp.transpose(stacked, perm).reshape(shape)
+
+
+def disassemble(
+    full: jax.Array, spec: P, varying: tuple[str, ...], sizes: dict[str, int]
+) -> jax.Array:
+    """Inverse of :func:`assemble`: the global param -> ``(*n_varying, *local)`` pieces."""
+    entries = _entries(spec, full.ndim)
+    split, order = [], []
+    for d, axes in enumerate(entries):
+        n = int(np.prod([sizes[a] for a in axes]))
+        split += [sizes[a] for a in axes] + [full.shape[d] // n]
+        order += list(axes) + [None]
+    x = full.reshape(split)
+    pos = {a: i for i, a in enumerate(order) if a is not None}
+    local = [i for i, a in enumerate(order) if a is None]
+    return jnp.transpose(x, [pos[a] for a in varying] + local)
+
+
 def shards_to_params(
-    layout: Layout, buffer: int, global_shards: jax.Array, names: list[str]
+    layout: Layout,
+    buffer: int,
+    global_shards: jax.Array,
+    names: list[str],
+    specs: list[P],
+    sizes: dict[str, int],
 ) -> dict[str, jax.Array]:
-    """Global ``(N * shard,)`` array of one buffer -> ``{param name: array}``."""
-    stacked = global_shards.reshape(layout.buffers[buffer].num_shards, -1)
-    flat = layout.gather_shards(buffer, stacked)
+    """Global shard array of one buffer -> ``{param name: global param array}``.
+
+    The global array is laid out as ``(dp ranks, *varying axes, shard)``, the
+    order of the buffer's ``P(axes + varying)`` spec.
+    """
+    buf = layout.buffers[buffer]
+    varying = buf.key.varying
+    nv = [sizes[a] for a in varying]
+    x = global_shards.reshape(buf.num_shards, *nv, -1)
+    x = jnp.moveaxis(x, 0, -2).reshape(-1, buf.num_shards, x.shape[-1])
+    flat = jax.vmap(lambda st: layout.gather_shards(buffer, st))(x).reshape(*nv, -1)
     out = {}
-    for si in layout.buffers[buffer].slots:
+    for si in buf.slots:
         slot = layout.slots[si]
-        out[names[si]] = flat[slot.start : slot.end].reshape(slot.shape)
+        piece = flat[..., slot.start : slot.end].reshape(*nv, *slot.shape)
+        out[names[si]] = assemble(piece, specs[si], varying) if varying else piece
     return out
 
 
 def params_to_shards(
-    layout: Layout, buffer: int, arrays: dict[str, jax.Array], names: list[str]
+    layout: Layout,
+    buffer: int,
+    arrays: dict[str, jax.Array],
+    names: list[str],
+    specs: list[P],
+    sizes: dict[str, int],
 ) -> jax.Array:
-    """Inverse of :func:`shards_to_params` for (possibly) another layout."""
+    """Inverse of :func:`shards_to_params`, for (possibly) another layout and mesh."""
     buf = layout.buffers[buffer]
-    flat = jnp.zeros((buf.size,), next(iter(arrays.values())).dtype)
+    varying = buf.key.varying
+    nv = [sizes[a] for a in varying]
+    dtype = next(iter(arrays.values())).dtype
+    flat = jnp.zeros((*nv, buf.size), dtype)
     for si in buf.slots:
         slot = layout.slots[si]
-        flat = flat.at[slot.start : slot.end].set(jnp.ravel(arrays[names[si]]))
-    parts = [flat[b.start : b.end].reshape(buf.num_shards, -1) for b in buf.buckets]
-    return jnp.concatenate(parts, axis=1).reshape(-1)
+        piece = arrays[names[si]]
+        if varying:
+            piece = disassemble(piece, specs[si], varying, sizes)
+        flat = flat.at[..., slot.start : slot.end].set(piece.reshape(*nv, slot.size))
+    parts = [flat[..., b.start : b.end].reshape(*nv, buf.num_shards, -1) for b in buf.buckets]
+    x = jnp.concatenate(parts, axis=-1)
+    return jnp.moveaxis(x, -2, 0).reshape(-1)
 
 
 def convert(fn: Any, args: Any, mesh: Mesh, out_shardings: Any) -> Any:
