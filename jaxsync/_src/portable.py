@@ -4,7 +4,9 @@ On device the state is flat shards whose boundaries depend on the number of
 ranks, the bucket size and the padding. On disk we want one array per parameter
 (and per shard-shaped optimizer leaf), so a run saved on 8 ranks resumes on 4:
 ``to_portable`` maps shards -> per-parameter arrays and ``from_portable`` maps
-them back onto whatever layout the new mesh gives. Both run as one jitted
+them back onto whatever layout the new mesh gives. Params sharded over tensor,
+pipeline or expert axes are reassembled into their global arrays by their
+PartitionSpecs, so only the data-parallel size may change. Both run as one jitted
 program over the global arrays; XLA moves the data between devices (no host
 gathers), and the per-parameter outputs stay sharded over the data axis where
 their leading dimension allows, so orbax writes them from every host in parallel.
