@@ -25,6 +25,7 @@ from jaxsync._src.grad_sync import all_reduce_grads as all_reduce_grads
 from jaxsync._src.grad_sync import broadcast_params as broadcast_params
 from jaxsync._src.grad_sync import nonfinite_grads as nonfinite_grads
 from jaxsync._src.grad_sync import raise_if_nonfinite as raise_if_nonfinite
+from jaxsync._src.grad_sync import sync_grads as sync_grads
 from jaxsync._src.grad_sync import value_and_grad as value_and_grad
 from jaxsync._src.hlo import CollectiveStats as CollectiveStats
 from jaxsync._src.hlo import collective_stats as collective_stats
@@ -39,10 +40,9 @@ from jaxsync._src.layout import build_layout as build_layout
 from jaxsync._src.loss_scale import DynamicLossScale as DynamicLossScale
 from jaxsync._src.loss_scale import LossScaleState as LossScaleState
 from jaxsync._src.optimizer import DistributedOptimizer as DistributedOptimizer
-from jaxsync._src.optimizer import DistributedOptimizerState as DistributedOptimizerState
-from jaxsync._src.optimizer import StepMetrics as StepMetrics
 from jaxsync._src.optimizer import distributed_optimizer as distributed_optimizer
-from jaxsync._src.optimizer import sync_grads as sync_grads
+from jaxsync._src.optimizer_state import DistributedOptimizerState as DistributedOptimizerState
+from jaxsync._src.optimizer_state import StepMetrics as StepMetrics
 from jaxsync._src.portable import param_name as param_name
 
 __version__ = "0.1.0"

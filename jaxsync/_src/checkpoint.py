@@ -17,7 +17,8 @@ import orbax.checkpoint as ocp
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from .optimizer import DistributedOptimizer, DistributedOptimizerState
+from .optimizer import DistributedOptimizer
+from .optimizer_state import DistributedOptimizerState
 from .portable import param_name
 
 PyTree = Any

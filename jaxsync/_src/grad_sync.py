@@ -11,13 +11,14 @@ back is each device's *local* gradient and every reduction is ours to plan.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
-from .axes import AxisName, bound_axes, rank, to_varying
+from .axes import AxisName, bound_axes, normalize_axes, rank, to_varying
 from .collectives import bucket_all_reduce
 from .finalize import SyncRules, sync_keys
 from .layout import BufferKey, Layout, build_layout
@@ -238,3 +239,48 @@ def broadcast_params(
     keep = rank(axes) == src
     masked = jax.tree.map(lambda p: jnp.where(keep, p, jnp.zeros_like(p)), mine)
     return bucket_all_reduce(masked, layout, axis_name=axes, reduce_dtype=None, average=False)
+
+
+class SyncGradsState(NamedTuple):
+    """:func:`sync_grads` keeps no state."""
+
+
+def sync_grads(
+    *,
+    axis_name: AxisName,
+    bucket_size: int | None = None,
+    reduce_dtype: Any = jnp.float32,
+    average: bool = True,
+    rules: SyncRules | None = None,
+) -> optax.GradientTransformation:
+    """Plain data parallelism as an optax transformation: bucketed all-reduce.
+
+    Put it first in an ``optax.chain`` to feed local gradients to a replicated
+    optimizer (every rank holds the whole optimizer state):
+
+      >>> tx = optax.chain(jaxsync.sync_grads(axis_name="data"),
+      ...                  optax.clip_by_global_norm(1.0), optax.adam(3e-4))
+
+    Reduced gradients keep their dtype; the reduction runs in ``reduce_dtype``.
+    """
+    axes = normalize_axes(axis_name)
+
+    def init_fn(params: PyTree) -> SyncGradsState:
+        del params
+        return SyncGradsState()
+
+    def update_fn(
+        grads: PyTree, state: SyncGradsState, params: PyTree | None = None
+    ) -> tuple[PyTree, SyncGradsState]:
+        del params
+        reduced = all_reduce_grads(
+            grads,
+            axis_name=axes,
+            bucket_size=bucket_size,
+            reduce_dtype=reduce_dtype,
+            average=average,
+            rules=rules,
+        )
+        return reduced, state
+
+    return optax.GradientTransformation(init_fn, update_fn)

@@ -2,7 +2,7 @@
 
 Every flat gradient buffer is cut into ``N`` equal shards per bucket; rank ``r``
 reduce-scatters the gradients into its shard, keeps fp32 master copies of the
-bf16/fp16 params in that shard, runs the inner optax transformation on the
+params in that shard, runs the inner optax transformation on the
 shard only, and all-gathers the new params. Per-device optimizer memory falls
 from ``P * (4 + state)`` bytes to ``ceil(P / N) * (4 + state)`` plus padding.
 """
@@ -10,8 +10,8 @@ from ``P * (4 + state)`` bytes to ``ceil(P / N) * (4 + state)`` plus padding.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any, NamedTuple
+from collections.abc import Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -26,67 +26,17 @@ from .axes import (
     normalize_axes,
     rank,
     to_varying,
-    varying_axes,
 )
 from .collectives import bucket_all_gather, bucket_reduce_scatter
-from .elementwise import check_elementwise
-from .finalize import ExpertParallel, SyncRules, sync_keys
-from .grad_sync import all_reduce_grads
-from .layout import BufferKey, Layout, build_layout
-from .loss_scale import (
-    LossScale,
-    LossScaleState,
-    check_loss_scale,
-    init_loss_scale,
-    update_loss_scale,
-)
-from .portable import (
-    buffer_name,
-    convert,
-    param_name,
-    param_sharding,
-    params_to_shards,
-    shards_to_params,
-    slot_names,
-)
+from .finalize import SyncRules
+from .layout import Layout
+from .loss_scale import LossScale, check_loss_scale, update_loss_scale
+from .optimizer_state import DistributedOptimizerState, StepMetrics
+from .plan import Labels, Plan
+from .portable import convert, from_portable, portable_fn
+from .specs import param_specs_of
 
 PyTree = Any
-Labels = PyTree | Callable[[PyTree], PyTree] | None
-
-
-class StepMetrics(NamedTuple):
-    """Diagnostics of the last update, returned as data (never printed).
-
-    Attributes:
-      grad_norm: global L2 norm of the reduced, unscaled gradient (before clipping).
-      num_zeros: number of exactly-zero gradient elements (padding excluded).
-      skipped: whether the last step was skipped for non-finite gradients.
-      skipped_steps: steps skipped so far.
-    """
-
-    grad_norm: jax.Array
-    num_zeros: jax.Array
-    skipped: jax.Array
-    skipped_steps: jax.Array
-
-
-class DistributedOptimizerState(NamedTuple):
-    """State of :func:`distributed_optimizer`; arrays only.
-
-    Attributes:
-      master: per buffer, this rank's fp32 master shard of the params. Kept for
-        fp32 params too (Megatron reads those from the param itself): slicing
-        the rank's piece out of the replicated params every step costs a full
-        flatten, far more than the 4 bytes per sharded element.
-      inner_state: per buffer, the inner transformation's state over the shard.
-      loss_scale: the loss scaler (scale 1 when no scaling is used).
-      metrics: diagnostics of the last step.
-    """
-
-    master: tuple[jax.Array, ...]
-    inner_state: tuple[optax.OptState, ...]
-    loss_scale: LossScaleState
-    metrics: StepMetrics
 
 
 class DistributedOptimizer(optax.GradientTransformationExtraArgs):
@@ -133,6 +83,12 @@ class DistributedOptimizer(optax.GradientTransformationExtraArgs):
         init = jax.shard_map(self.init, mesh=mesh, in_specs=(in_specs,), out_specs=specs)
         return jax.jit(init)(params)
 
+    def from_portable(
+        self, portable: dict[str, Any], params: PyTree, mesh: Mesh
+    ) -> DistributedOptimizerState:
+        """Inverse of :meth:`to_portable` onto ``mesh``, whose DP size may differ."""
+        return from_portable(self._config, portable, params, mesh)
+
     def to_portable(
         self, state: DistributedOptimizerState, params: PyTree, mesh: Mesh
     ) -> dict[str, Any]:
@@ -142,320 +98,20 @@ class DistributedOptimizer(optax.GradientTransformationExtraArgs):
         "loss_scale": ..., "metrics": ...}`` in which every shard-shaped leaf has
         become ``{param name: array of the param's shape}``.
         """
-        fn, out, _ = self._portable_fn(params, mesh)
+        fn, out, _ = portable_fn(self._config, params, mesh)
         return convert(fn, (state,), mesh, out)
 
     def portable_shapes(self, params: PyTree, mesh: Mesh) -> dict[str, Any]:
         """``ShapeDtypeStruct``s (with shardings) of :meth:`to_portable`'s result."""
-        fn, out, glob = self._portable_fn(params, mesh)
+        fn, out, glob = portable_fn(self._config, params, mesh)
         shapes = jax.eval_shape(fn, glob)
         return jax.tree.map(
             lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, out
         )
 
-    def from_portable(
-        self, portable: dict[str, Any], params: PyTree, mesh: Mesh
-    ) -> DistributedOptimizerState:
-        """Inverse of :meth:`to_portable` onto ``mesh``, whose DP size may differ."""
-        layout, _, pspecs = self._config.layout_outside(params, mesh)
-        pspecs = jax.tree.leaves(pspecs, is_leaf=lambda x: isinstance(x, P))
-        sizes = dict(mesh.shape)
-        names = slot_names(layout, params)
-        specs = self.state_specs(params, mesh)
-        missing = sorted(set(names) - set(portable.get("master", {})))
-        if missing:
-            raise ValueError(
-                f"the saved optimizer state has no master values for params {missing}; "
-                "it was saved for a different model."
-            )
-
-        def fn(portable: dict[str, Any]) -> DistributedOptimizerState:
-            master, inner = [], []
-            for bi in range(len(layout.buffers)):
-                master.append(
-                    params_to_shards(layout, bi, portable["master"], names, pspecs, sizes)
-                )
-                saved = portable["inner_state"][buffer_name(layout, bi)]
-                inner.append(
-                    jax.tree.map(
-                        lambda s, x, bi=bi: (
-                            params_to_shards(layout, bi, x, names, pspecs, sizes) if s != P() else x
-                        ),
-                        specs.inner_state[bi],
-                        saved,
-                        is_leaf=lambda x: isinstance(x, P),
-                    )
-                )
-            return DistributedOptimizerState(
-                master=tuple(master),
-                inner_state=tuple(inner),
-                loss_scale=LossScaleState(*portable["loss_scale"]),
-                metrics=StepMetrics(*portable["metrics"]),
-            )
-
-        return convert(fn, (portable,), mesh, self.state_shardings(params, mesh))
-
-    def _portable_fn(self, params: PyTree, mesh: Mesh) -> tuple[Any, Any, Any]:
-        layout, local, pspecs = self._config.layout_outside(params, mesh)
-        pspecs = jax.tree.leaves(pspecs, is_leaf=lambda x: isinstance(x, P))
-        sizes = dict(mesh.shape)
-        names = slot_names(layout, params)
-        specs = self.state_specs(params, mesh)
-        axes = self._config.axes
-        leaves = jax.tree.leaves(params)
-        by_name = {names[i]: (tuple(leaves[i].shape), pspecs[i]) for i in range(len(names))}
-
-        def fn(state: DistributedOptimizerState) -> dict[str, Any]:
-            def to_params(bi: int, x: jax.Array) -> dict[str, jax.Array]:
-                return shards_to_params(layout, bi, x, names, pspecs, sizes)
-
-            master: dict[str, jax.Array] = {}
-            inner = {}
-            for bi in range(len(layout.buffers)):
-                master.update(to_params(bi, state.master[bi]))
-                inner[buffer_name(layout, bi)] = jax.tree.map(
-                    lambda s, x, bi=bi: to_params(bi, x) if s != P() else x,
-                    specs.inner_state[bi],
-                    state.inner_state[bi],
-                    is_leaf=lambda x: isinstance(x, P),
-                )
-            return {
-                "master": master,
-                "inner_state": inner,
-                "loss_scale": tuple(state.loss_scale),
-                "metrics": tuple(state.metrics),
-            }
-
-        def sharding_for(path: Any, x: Any) -> NamedSharding:
-            # Per-param arrays: sharded like the param where it is model-parallel,
-            # else over the data axes where the leading dimension divides.
-            name = param_name(path[-1:]) if path else ""
-            shape = tuple(getattr(x, "shape", ()))
-            if name in by_name and shape == by_name[name][0]:
-                if by_name[name][1] != P():
-                    return NamedSharding(mesh, by_name[name][1])
-                return param_sharding(mesh, axes, shape)
-            return NamedSharding(mesh, P())
-
-        abstract = jax.eval_shape(
-            lambda p: self._config.init_for_rank(p, layout, lambda _: 0), local
-        )
-        glob = jax.tree.map(
-            lambda x, s: jax.ShapeDtypeStruct(
-                (x.shape[0] * math.prod(sizes[a] for a in spec_axes(s)), *x.shape[1:])
-                if s != P()
-                else x.shape,
-                x.dtype,
-            ),
-            abstract,
-            specs,
-            is_leaf=lambda x: isinstance(x, P) or x is None,
-        )
-        out = jax.tree_util.tree_map_with_path(sharding_for, jax.eval_shape(fn, glob))
-        return fn, out, glob
-
     @property
-    def _config(self) -> _Config:
+    def _config(self) -> Plan:
         return self.__dict__["config"]
-
-
-class _Config:
-    """Everything the transformation closes over; hashable by identity."""
-
-    def __init__(
-        self,
-        inner: optax.GradientTransformation | Mapping[str, optax.GradientTransformation],
-        axes: tuple[str, ...],
-        labels: Labels,
-        bucket_size: int | None,
-        reduce_dtype: Any,
-        clip_grad_norm: float | None,
-        loss_scale: LossScale,
-        check_elementwise: bool,
-        rules: SyncRules | None = None,
-    ):
-        self.rules = rules
-        self.inner = inner
-        self.axes = axes
-        self.labels = labels
-        self.bucket_size = bucket_size
-        self.reduce_dtype = reduce_dtype
-        self.clip_grad_norm = clip_grad_norm
-        self.loss_scale = loss_scale
-        self.check_elementwise = check_elementwise
-
-    # ------------------------------------------------------------- layout
-    def label_tree(self, params: PyTree) -> PyTree | None:
-        if self.labels is None:
-            return None
-        labels = self.labels(params) if callable(self.labels) else self.labels
-        try:
-            flat = jax.tree.leaves(jax.tree.map(lambda _, lab: lab, params, labels))
-        except ValueError as e:
-            raise ValueError(
-                f"`labels` must have the structure of the params (one string per param); {e}"
-            ) from e
-        names = sorted(set(flat))
-        assert isinstance(self.inner, Mapping)
-        missing = [n for n in names if n not in self.inner]
-        if missing:
-            raise ValueError(
-                f"`labels` uses {missing}, which `inner` has no transformation for; "
-                f"`inner` has keys {sorted(self.inner)}."
-            )
-        return labels
-
-    def layout(
-        self,
-        params: PyTree,
-        mesh_shape: Mapping[str, int],
-        varying: Sequence[tuple[str, ...]],
-    ) -> Layout:
-        """The layout for local params, given which non-DP axes each one varies over."""
-        leaves = jax.tree_util.tree_flatten_with_path(params)[0]
-        labels = self.label_tree(params)
-        labs = [None] * len(leaves)
-        if labels is not None:
-            labs = jax.tree.leaves(jax.tree.map(lambda _, lab: lab, params, labels))
-        syncs = sync_keys(self.rules, params, self.axes, mesh_shape)
-        by_path = {}
-        for (path, _), lab, sync, var in zip(leaves, labs, syncs, varying, strict=True):
-            name = jax.tree_util.keystr(path)
-            bad = set(var) & set(sync.dp_axes)
-            if bad:
-                raise ValueError(
-                    f"param {param_name(path)} differs across data-parallel axes {sorted(bad)}; "
-                    "params must be replicated over the axes the optimizer shards over. Pass "
-                    "it with a PartitionSpec that does not name those axes (or mark an "
-                    "expert axis with jaxsync.ExpertParallel)."
-                )
-            by_path[name] = (lab, sync, tuple(sorted(var)))
-
-        def key_fn(path: str, leaf: Any) -> BufferKey:
-            lab, sync, var = by_path[path]
-            return BufferKey(
-                jnp.dtype(leaf.dtype).name, sync.dp_axes, lab, sync.sum_axes, sync.mean_axes, var
-            )
-
-        return build_layout(
-            params,
-            num_shards=lambda key: math.prod(mesh_shape[a] for a in key.axes),
-            bucket_size=self.bucket_size,
-            key_fn=key_fn,
-        )
-
-    def layout_inside(self, params: PyTree) -> Layout:
-        """Layout inside shard_map: local shapes, varying axes from the params' types."""
-        mesh_shape = dict(jax.sharding.get_abstract_mesh().shape)
-        dp = set(self.axes)
-        dp_only = dp - self.expert_axes()
-        varying = [tuple(varying_axes(x) - dp_only) for x in jax.tree.leaves(params)]
-        return self.layout(params, mesh_shape, varying)
-
-    def layout_outside(
-        self, params: PyTree, mesh: Mesh, param_specs: PyTree = None
-    ) -> tuple[Layout, PyTree, PyTree]:
-        """Layout from global params (outside shard_map): (layout, local params, specs)."""
-        specs = param_specs_of(params, param_specs)
-        local = jax.tree.map(
-            lambda x, spec: jax.ShapeDtypeStruct(local_shape(x.shape, spec, mesh), x.dtype),
-            params,
-            specs,
-            is_leaf=lambda x: isinstance(x, P),
-        )
-        is_spec = lambda x: isinstance(x, P)  # noqa: E731
-        varying = [spec_axes(spec) for spec in jax.tree.leaves(specs, is_leaf=is_spec)]
-        return self.layout(local, dict(mesh.shape), varying), local, specs
-
-    def expert_axes(self) -> set[str]:
-        if self.rules is None:
-            return set()
-        return {r.axis for _, r in self.rules.rules if isinstance(r, ExpertParallel)}
-
-    def inner_for(self, layout: Layout, buffer: int) -> optax.GradientTransformation:
-        label = layout.buffers[buffer].key.label
-        return self.inner if label is None else self.inner[label]
-
-    # --------------------------------------------------------------- init
-    def init_for_rank(
-        self, params: PyTree, layout: Layout, rank_of: Callable[[int], Any]
-    ) -> DistributedOptimizerState:
-        flat = layout.flatten(params, jnp.float32)
-        master, inner_state = [], []
-        for bi in range(len(layout.buffers)):
-            shard = layout.shard_of(bi, flat[bi], rank_of(bi))
-            master.append(shard)
-            inner_state.append(self.inner_for(layout, bi).init(shard))
-        zero_f, zero_i = jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32)
-        return DistributedOptimizerState(
-            master=tuple(master),
-            inner_state=tuple(inner_state),
-            loss_scale=init_loss_scale(self.loss_scale),
-            metrics=StepMetrics(zero_f, zero_i, jnp.zeros((), bool), zero_i),
-        )
-
-    def check(self, params: PyTree, layout: Layout) -> None:
-        if not self.check_elementwise:
-            return
-        for bi, buf in enumerate(layout.buffers):
-            sub = [jax.ShapeDtypeStruct(layout.slots[i].shape, jnp.float32) for i in buf.slots]
-            if buf.key.label is None:
-                sub = params  # the whole tree: masks by path or ndim are probed as written
-            what = "all params" if buf.key.label is None else f"label {buf.key.label!r}"
-            check_elementwise(self.inner_for(layout, bi), sub, what)
-
-    def state_specs(
-        self, params: PyTree, mesh: Mesh, param_specs: PyTree = None
-    ) -> DistributedOptimizerState:
-        layout, local, _ = self.layout_outside(params, mesh, param_specs)
-        shapes = jax.eval_shape(lambda p: self.init_for_rank(p, layout, lambda _: 0), local)
-
-        def spec_for(bi: int) -> Callable[[Any], P]:
-            size = layout.shard_size(bi)
-            key = layout.buffers[bi].key
-            sharded = P(key.axes + key.varying)
-            return lambda x: sharded if x.ndim >= 1 and x.shape[0] == size else P()
-
-        return DistributedOptimizerState(
-            master=tuple(spec_for(bi)(m) for bi, m in enumerate(shapes.master)),
-            inner_state=tuple(
-                jax.tree.map(spec_for(bi), s) for bi, s in enumerate(shapes.inner_state)
-            ),
-            loss_scale=jax.tree.map(lambda _: P(), shapes.loss_scale),
-            metrics=jax.tree.map(lambda _: P(), shapes.metrics),
-        )
-
-
-def param_specs_of(params: PyTree, param_specs: PyTree = None) -> PyTree:
-    """The params' PartitionSpecs: given, else read from NamedShardings, else ``P()``."""
-    if param_specs is not None:
-        return param_specs
-    return jax.tree.map(
-        lambda x: (
-            x.sharding.spec if isinstance(getattr(x, "sharding", None), NamedSharding) else P()
-        ),
-        params,
-    )
-
-
-def spec_axes(spec: P) -> tuple[str, ...]:
-    out = []
-    for entry in spec:
-        if entry is None:
-            continue
-        out.extend((entry,) if isinstance(entry, str) else entry)
-    return tuple(sorted(out))
-
-
-def local_shape(shape: tuple[int, ...], spec: P, mesh: Mesh) -> tuple[int, ...]:
-    """Per-device shape of a global array sharded by ``spec`` over ``mesh``."""
-    out = list(shape)
-    for dim, entry in enumerate(spec):
-        if entry is None:
-            continue
-        n = math.prod(mesh.shape[a] for a in ((entry,) if isinstance(entry, str) else entry))
-        out[dim] //= n
-    return tuple(out)
 
 
 NEED_PARAMS = (
@@ -549,7 +205,7 @@ def distributed_optimizer(
             f"`bucket_size` must be a positive number of elements or None, got {bucket_size!r}."
         )
     check_loss_scale(loss_scale)
-    cfg = _Config(
+    cfg = Plan(
         inner,
         axes,
         labels,
@@ -660,48 +316,3 @@ def distributed_optimizer(
     tx = DistributedOptimizer(init_fn, update_fn)
     tx.__dict__["config"] = cfg
     return tx
-
-
-class SyncGradsState(NamedTuple):
-    """:func:`sync_grads` keeps no state."""
-
-
-def sync_grads(
-    *,
-    axis_name: AxisName,
-    bucket_size: int | None = None,
-    reduce_dtype: Any = jnp.float32,
-    average: bool = True,
-    rules: SyncRules | None = None,
-) -> optax.GradientTransformation:
-    """Plain data parallelism as an optax transformation: bucketed all-reduce.
-
-    Put it first in an ``optax.chain`` to feed local gradients to a replicated
-    optimizer (every rank holds the whole optimizer state):
-
-      >>> tx = optax.chain(jaxsync.sync_grads(axis_name="data"),
-      ...                  optax.clip_by_global_norm(1.0), optax.adam(3e-4))
-
-    Reduced gradients keep their dtype; the reduction runs in ``reduce_dtype``.
-    """
-    axes = normalize_axes(axis_name)
-
-    def init_fn(params: PyTree) -> SyncGradsState:
-        del params
-        return SyncGradsState()
-
-    def update_fn(
-        grads: PyTree, state: SyncGradsState, params: PyTree | None = None
-    ) -> tuple[PyTree, SyncGradsState]:
-        del params
-        reduced = all_reduce_grads(
-            grads,
-            axis_name=axes,
-            bucket_size=bucket_size,
-            reduce_dtype=reduce_dtype,
-            average=average,
-            rules=rules,
-        )
-        return reduced, state
-
-    return optax.GradientTransformation(init_fn, update_fn)

@@ -14,6 +14,7 @@ their leading dimension allows, so orbax writes them from every host in parallel
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
@@ -23,6 +24,9 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from .layout import Layout
+from .loss_scale import LossScaleState
+from .optimizer_state import DistributedOptimizerState, StepMetrics
+from .specs import spec_axes
 
 PyTree = Any
 
@@ -185,3 +189,106 @@ def convert(fn: Any, args: Any, mesh: Mesh, out_shardings: Any) -> Any:
         result,
         out_shardings,
     )
+
+
+def from_portable(
+    plan: Any, portable: dict[str, Any], params: PyTree, mesh: Mesh
+) -> DistributedOptimizerState:
+    """Inverse of :meth:`to_portable` onto ``mesh``, whose DP size may differ."""
+    layout, _, pspecs = plan.layout_outside(params, mesh)
+    pspecs = jax.tree.leaves(pspecs, is_leaf=lambda x: isinstance(x, P))
+    sizes = dict(mesh.shape)
+    names = slot_names(layout, params)
+    specs = plan.state_specs(params, mesh)
+    missing = sorted(set(names) - set(portable.get("master", {})))
+    if missing:
+        raise ValueError(
+            f"the saved optimizer state has no master values for params {missing}; "
+            "it was saved for a different model."
+        )
+
+    def fn(portable: dict[str, Any]) -> DistributedOptimizerState:
+        master, inner = [], []
+        for bi in range(len(layout.buffers)):
+            master.append(params_to_shards(layout, bi, portable["master"], names, pspecs, sizes))
+            saved = portable["inner_state"][buffer_name(layout, bi)]
+            inner.append(
+                jax.tree.map(
+                    lambda s, x, bi=bi: (
+                        params_to_shards(layout, bi, x, names, pspecs, sizes) if s != P() else x
+                    ),
+                    specs.inner_state[bi],
+                    saved,
+                    is_leaf=lambda x: isinstance(x, P),
+                )
+            )
+        return DistributedOptimizerState(
+            master=tuple(master),
+            inner_state=tuple(inner),
+            loss_scale=LossScaleState(*portable["loss_scale"]),
+            metrics=StepMetrics(*portable["metrics"]),
+        )
+
+    shardings = jax.tree.map(
+        lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P)
+    )
+    return convert(fn, (portable,), mesh, shardings)
+
+
+def portable_fn(plan: Any, params: PyTree, mesh: Mesh) -> tuple[Any, Any, Any]:
+    """(fn: global state -> portable dict, its output shardings, abstract global state)."""
+    layout, local, pspecs = plan.layout_outside(params, mesh)
+    pspecs = jax.tree.leaves(pspecs, is_leaf=lambda x: isinstance(x, P))
+    sizes = dict(mesh.shape)
+    names = slot_names(layout, params)
+    specs = plan.state_specs(params, mesh)
+    axes = plan.axes
+    leaves = jax.tree.leaves(params)
+    by_name = {names[i]: (tuple(leaves[i].shape), pspecs[i]) for i in range(len(names))}
+
+    def fn(state: DistributedOptimizerState) -> dict[str, Any]:
+        def to_params(bi: int, x: jax.Array) -> dict[str, jax.Array]:
+            return shards_to_params(layout, bi, x, names, pspecs, sizes)
+
+        master: dict[str, jax.Array] = {}
+        inner = {}
+        for bi in range(len(layout.buffers)):
+            master.update(to_params(bi, state.master[bi]))
+            inner[buffer_name(layout, bi)] = jax.tree.map(
+                lambda s, x, bi=bi: to_params(bi, x) if s != P() else x,
+                specs.inner_state[bi],
+                state.inner_state[bi],
+                is_leaf=lambda x: isinstance(x, P),
+            )
+        return {
+            "master": master,
+            "inner_state": inner,
+            "loss_scale": tuple(state.loss_scale),
+            "metrics": tuple(state.metrics),
+        }
+
+    def sharding_for(path: Any, x: Any) -> NamedSharding:
+        # Per-param arrays: sharded like the param where it is model-parallel,
+        # else over the data axes where the leading dimension divides.
+        name = param_name(path[-1:]) if path else ""
+        shape = tuple(getattr(x, "shape", ()))
+        if name in by_name and shape == by_name[name][0]:
+            if by_name[name][1] != P():
+                return NamedSharding(mesh, by_name[name][1])
+            return param_sharding(mesh, axes, shape)
+        return NamedSharding(mesh, P())
+
+    abstract = jax.eval_shape(lambda p: plan.init_for_rank(p, layout, lambda _: 0), local)
+    glob = jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(
+            (x.shape[0] * math.prod(sizes[a] for a in spec_axes(s)), *x.shape[1:])
+            if s != P()
+            else x.shape,
+            x.dtype,
+        ),
+        abstract,
+        specs,
+        is_leaf=lambda x: isinstance(x, P) or x is None,
+    )
+    out = jax.tree_util.tree_map_with_path(sharding_for, jax.eval_shape(fn, glob))
+    return fn, out, glob

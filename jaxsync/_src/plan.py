@@ -1,0 +1,198 @@
+"""The distributed optimizer's plan: which buffer each param goes to, on which ranks.
+
+Everything the optimizer closes over lives here, together with the one place
+that turns params (local, inside shard_map; or global with their specs,
+outside) into a :class:`~jaxsync.Layout` whose buffer keys carry the labels,
+the finalize rules and the axes each param varies over.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from .axes import varying_axes
+from .elementwise import check_elementwise
+from .finalize import ExpertParallel, SyncRules, sync_keys
+from .layout import BufferKey, Layout, build_layout
+from .loss_scale import LossScale, init_loss_scale
+from .optimizer_state import DistributedOptimizerState, StepMetrics
+from .portable import param_name
+from .specs import local_shape, param_specs_of, spec_axes
+
+PyTree = Any
+Labels = PyTree | Callable[[PyTree], PyTree] | None
+
+
+class Plan:
+    """Everything the transformation closes over; hashable by identity."""
+
+    def __init__(
+        self,
+        inner: optax.GradientTransformation | Mapping[str, optax.GradientTransformation],
+        axes: tuple[str, ...],
+        labels: Labels,
+        bucket_size: int | None,
+        reduce_dtype: Any,
+        clip_grad_norm: float | None,
+        loss_scale: LossScale,
+        check_elementwise: bool,
+        rules: SyncRules | None = None,
+    ):
+        self.rules = rules
+        self.inner = inner
+        self.axes = axes
+        self.labels = labels
+        self.bucket_size = bucket_size
+        self.reduce_dtype = reduce_dtype
+        self.clip_grad_norm = clip_grad_norm
+        self.loss_scale = loss_scale
+        self.check_elementwise = check_elementwise
+
+    # ------------------------------------------------------------- layout
+    def label_tree(self, params: PyTree) -> PyTree | None:
+        if self.labels is None:
+            return None
+        labels = self.labels(params) if callable(self.labels) else self.labels
+        try:
+            flat = jax.tree.leaves(jax.tree.map(lambda _, lab: lab, params, labels))
+        except ValueError as e:
+            raise ValueError(
+                f"`labels` must have the structure of the params (one string per param); {e}"
+            ) from e
+        names = sorted(set(flat))
+        assert isinstance(self.inner, Mapping)
+        missing = [n for n in names if n not in self.inner]
+        if missing:
+            raise ValueError(
+                f"`labels` uses {missing}, which `inner` has no transformation for; "
+                f"`inner` has keys {sorted(self.inner)}."
+            )
+        return labels
+
+    def layout(
+        self,
+        params: PyTree,
+        mesh_shape: Mapping[str, int],
+        varying: Sequence[tuple[str, ...]],
+    ) -> Layout:
+        """The layout for local params, given which non-DP axes each one varies over."""
+        leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+        labels = self.label_tree(params)
+        labs = [None] * len(leaves)
+        if labels is not None:
+            labs = jax.tree.leaves(jax.tree.map(lambda _, lab: lab, params, labels))
+        syncs = sync_keys(self.rules, params, self.axes, mesh_shape)
+        by_path = {}
+        for (path, _), lab, sync, var in zip(leaves, labs, syncs, varying, strict=True):
+            name = jax.tree_util.keystr(path)
+            bad = set(var) & set(sync.dp_axes)
+            if bad:
+                raise ValueError(
+                    f"param {param_name(path)} differs across data-parallel axes {sorted(bad)}; "
+                    "params must be replicated over the axes the optimizer shards over. Pass "
+                    "it with a PartitionSpec that does not name those axes (or mark an "
+                    "expert axis with jaxsync.ExpertParallel)."
+                )
+            by_path[name] = (lab, sync, tuple(sorted(var)))
+
+        def key_fn(path: str, leaf: Any) -> BufferKey:
+            lab, sync, var = by_path[path]
+            return BufferKey(
+                jnp.dtype(leaf.dtype).name, sync.dp_axes, lab, sync.sum_axes, sync.mean_axes, var
+            )
+
+        return build_layout(
+            params,
+            num_shards=lambda key: math.prod(mesh_shape[a] for a in key.axes),
+            bucket_size=self.bucket_size,
+            key_fn=key_fn,
+        )
+
+    def layout_inside(self, params: PyTree) -> Layout:
+        """Layout inside shard_map: local shapes, varying axes from the params' types."""
+        mesh_shape = dict(jax.sharding.get_abstract_mesh().shape)
+        dp = set(self.axes)
+        dp_only = dp - self.expert_axes()
+        varying = [tuple(varying_axes(x) - dp_only) for x in jax.tree.leaves(params)]
+        return self.layout(params, mesh_shape, varying)
+
+    def layout_outside(
+        self, params: PyTree, mesh: Mesh, param_specs: PyTree = None
+    ) -> tuple[Layout, PyTree, PyTree]:
+        """Layout from global params (outside shard_map): (layout, local params, specs)."""
+        specs = param_specs_of(params, param_specs)
+        local = jax.tree.map(
+            lambda x, spec: jax.ShapeDtypeStruct(local_shape(x.shape, spec, mesh), x.dtype),
+            params,
+            specs,
+            is_leaf=lambda x: isinstance(x, P),
+        )
+        is_spec = lambda x: isinstance(x, P)  # noqa: E731
+        varying = [spec_axes(spec) for spec in jax.tree.leaves(specs, is_leaf=is_spec)]
+        return self.layout(local, dict(mesh.shape), varying), local, specs
+
+    def expert_axes(self) -> set[str]:
+        if self.rules is None:
+            return set()
+        return {r.axis for _, r in self.rules.rules if isinstance(r, ExpertParallel)}
+
+    def inner_for(self, layout: Layout, buffer: int) -> optax.GradientTransformation:
+        label = layout.buffers[buffer].key.label
+        return self.inner if label is None else self.inner[label]
+
+    # --------------------------------------------------------------- init
+    def init_for_rank(
+        self, params: PyTree, layout: Layout, rank_of: Callable[[int], Any]
+    ) -> DistributedOptimizerState:
+        flat = layout.flatten(params, jnp.float32)
+        master, inner_state = [], []
+        for bi in range(len(layout.buffers)):
+            shard = layout.shard_of(bi, flat[bi], rank_of(bi))
+            master.append(shard)
+            inner_state.append(self.inner_for(layout, bi).init(shard))
+        zero_f, zero_i = jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32)
+        return DistributedOptimizerState(
+            master=tuple(master),
+            inner_state=tuple(inner_state),
+            loss_scale=init_loss_scale(self.loss_scale),
+            metrics=StepMetrics(zero_f, zero_i, jnp.zeros((), bool), zero_i),
+        )
+
+    def check(self, params: PyTree, layout: Layout) -> None:
+        if not self.check_elementwise:
+            return
+        for bi, buf in enumerate(layout.buffers):
+            sub = [jax.ShapeDtypeStruct(layout.slots[i].shape, jnp.float32) for i in buf.slots]
+            if buf.key.label is None:
+                sub = params  # the whole tree: masks by path or ndim are probed as written
+            what = "all params" if buf.key.label is None else f"label {buf.key.label!r}"
+            check_elementwise(self.inner_for(layout, bi), sub, what)
+
+    def state_specs(
+        self, params: PyTree, mesh: Mesh, param_specs: PyTree = None
+    ) -> DistributedOptimizerState:
+        layout, local, _ = self.layout_outside(params, mesh, param_specs)
+        shapes = jax.eval_shape(lambda p: self.init_for_rank(p, layout, lambda _: 0), local)
+
+        def spec_for(bi: int) -> Callable[[Any], P]:
+            size = layout.shard_size(bi)
+            key = layout.buffers[bi].key
+            sharded = P(key.axes + key.varying)
+            return lambda x: sharded if x.ndim >= 1 and x.shape[0] == size else P()
+
+        return DistributedOptimizerState(
+            master=tuple(spec_for(bi)(m) for bi, m in enumerate(shapes.master)),
+            inner_state=tuple(
+                jax.tree.map(spec_for(bi), s) for bi, s in enumerate(shapes.inner_state)
+            ),
+            loss_scale=jax.tree.map(lambda _: P(), shapes.loss_scale),
+            metrics=jax.tree.map(lambda _: P(), shapes.metrics),
+        )

@@ -1,0 +1,49 @@
+"""PartitionSpec helpers: read a param's spec, its mesh axes, its per-device shape.
+
+The sharded optimizer plans its buffers from *local* shapes and from the mesh
+axes each param varies over; outside shard_map both come from the params'
+PartitionSpecs, inside from their types.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+PyTree = Any
+
+
+def param_specs_of(params: PyTree, param_specs: PyTree = None) -> PyTree:
+    """The params' PartitionSpecs: given, else read from NamedShardings, else ``P()``."""
+    if param_specs is not None:
+        return param_specs
+    return jax.tree.map(
+        lambda x: (
+            x.sharding.spec if isinstance(getattr(x, "sharding", None), NamedSharding) else P()
+        ),
+        params,
+    )
+
+
+def spec_axes(spec: P) -> tuple[str, ...]:
+    out = []
+    for entry in spec:
+        if entry is None:
+            continue
+        out.extend((entry,) if isinstance(entry, str) else entry)
+    return tuple(sorted(out))
+
+
+def local_shape(shape: tuple[int, ...], spec: P, mesh: Mesh) -> tuple[int, ...]:
+    """Per-device shape of a global array sharded by ``spec`` over ``mesh``."""
+    out = list(shape)
+    for dim, entry in enumerate(spec):
+        if entry is None:
+            continue
+        n = math.prod(mesh.shape[a] for a in ((entry,) if isinstance(entry, str) else entry))
+        out[dim] //= n
+    return tuple(out)
