@@ -18,6 +18,16 @@ D, F, V, T = 8, 16, 11, 8
 STEPS = 3
 
 
+def reference_train(loss_fn, opt, params, xs, ys):
+    """Plain optax on one device; returns the params and the last step's grad norm."""
+    state = opt.init(params)
+    for i in range(xs.shape[0]):
+        g = jax.grad(loss_fn)(params, (xs[i], ys[i]))
+        u, state = opt.update(g, state, params)
+        params = optax.apply_updates(params, u)
+    return params, optax.tree.norm(g)
+
+
 def close(a, b, rtol=2e-5, atol=2e-6):
     jax.tree.map(
         lambda x, y: np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=atol),
@@ -140,37 +150,13 @@ def test_pipeline_tensor_sequence_parallel_grads(pp_mesh):
     assert float(jnp.abs(ref["embed"]).sum()) > 0
 
 
-def test_pipeline_tensor_sequence_parallel_distributed_optimizer(pp_mesh):
-    params = pp_params(jax.random.PRNGKey(0))
-    toks, tgts = pp_batches(jax.random.PRNGKey(1), STEPS)
-    opt = optax.adam(1e-2)
-    max_norm = 0.5
-    ref_opt = optax.chain(optax.clip_by_global_norm(max_norm), opt)
-    ref_state, ref_params = ref_opt.init(params), params
-    for i in range(STEPS):
-        g = jax.grad(pp_reference_loss)(ref_params, (toks[i], tgts[i]))
-        last_norm = optax.tree.norm(g)
-        u, ref_state = ref_opt.update(g, ref_state, ref_params)
-        ref_params = optax.apply_updates(ref_params, u)
-
-    tx = jaxsync.distributed_optimizer(
-        opt, axis_name="data", rules=PP_RULES, clip_grad_norm=max_norm, bucket_size=64
-    )
-    gparams = put(params, pp_mesh, PP_SPECS)
-    state = tx.sharded_init(gparams, pp_mesh)
-    specs = tx.state_specs(gparams, pp_mesh)
-    layout = tx.layout(gparams, pp_mesh)
-    keys = {(b.key.axes, b.key.sum_axes, b.key.varying) for b in layout.buffers}
-    assert keys == {
-        (("data",), (("pipe", None), ("tensor", None)), ()),  # tied embedding
-        (("data",), (("tensor", None),), ("pipe",)),  # SP layernorm, b2
-        (("data",), (), ("pipe", "tensor")),  # TP weights per stage
-    }
+def _pp_step(mesh, tx, params):
+    specs = tx.state_specs(params, mesh)
 
     @jax.jit
     @partial(
         jax.shard_map,
-        mesh=pp_mesh,
+        mesh=mesh,
         in_specs=(PP_SPECS, specs, P("data", "tensor")),
         out_specs=(PP_SPECS, specs),
     )
@@ -181,9 +167,37 @@ def test_pipeline_tensor_sequence_parallel_distributed_optimizer(pp_mesh):
         updates, state = tx.update(g, state, params)
         return optax.apply_updates(params, updates), state
 
-    for i in range(STEPS):
-        batch = jax.device_put((toks[i], tgts[i]), NamedSharding(pp_mesh, P("data", "tensor")))
-        gparams, state = step(gparams, state, batch)
+    def run(params, state, toks, tgts, lo, hi):
+        for i in range(lo, hi):
+            batch = jax.device_put((toks[i], tgts[i]), NamedSharding(mesh, P("data", "tensor")))
+            params, state = step(params, state, batch)
+        return params, state
+
+    return run
+
+
+def test_pipeline_tensor_sequence_parallel_distributed_optimizer(pp_mesh):
+    params = pp_params(jax.random.PRNGKey(0))
+    toks, tgts = pp_batches(jax.random.PRNGKey(1), STEPS)
+    opt = optax.adam(1e-2)
+    max_norm = 0.5
+    ref_opt = optax.chain(optax.clip_by_global_norm(max_norm), opt)
+    ref_params, last_norm = reference_train(pp_reference_loss, ref_opt, params, toks, tgts)
+
+    tx = jaxsync.distributed_optimizer(
+        opt, axis_name="data", rules=PP_RULES, clip_grad_norm=max_norm, bucket_size=64
+    )
+    gparams = put(params, pp_mesh, PP_SPECS)
+    state = tx.sharded_init(gparams, pp_mesh)
+    layout = tx.layout(gparams, pp_mesh)
+    keys = {(b.key.axes, b.key.sum_axes, b.key.varying) for b in layout.buffers}
+    assert keys == {
+        (("data",), (("pipe", None), ("tensor", None)), ()),  # tied embedding
+        (("data",), (("tensor", None),), ("pipe",)),  # SP layernorm, b2
+        (("data",), (), ("pipe", "tensor")),  # TP weights per stage
+    }
+
+    gparams, state = _pp_step(pp_mesh, tx, gparams)(gparams, state, toks, tgts, 0, STEPS)
     np.testing.assert_allclose(state.metrics.grad_norm, last_norm, rtol=1e-5)
     assert float(last_norm) > max_norm  # clipping was active
     close(ref_params, gparams, rtol=1e-4, atol=1e-5)
@@ -271,12 +285,7 @@ def test_expert_parallel_distributed_optimizer(moe_mesh):
     params = moe_params(jax.random.PRNGKey(0))
     xs, ys = moe_batches(jax.random.PRNGKey(1), STEPS)
     opt = optax.adam(1e-2)
-    ref_state, ref_params = opt.init(params), params
-    for i in range(STEPS):
-        g = jax.grad(moe_reference_loss)(ref_params, (xs[i], ys[i]))
-        last_norm = optax.tree.norm(g)
-        u, ref_state = opt.update(g, ref_state, ref_params)
-        ref_params = optax.apply_updates(ref_params, u)
+    ref_params, last_norm = reference_train(moe_reference_loss, opt, params, xs, ys)
 
     tx = jaxsync.distributed_optimizer(opt, axis_name=AXES, rules=MOE_RULES, clip_grad_norm=1e3)
     gparams = put(params, moe_mesh, MOE_SPECS)
@@ -383,32 +392,6 @@ def test_param_sharded_over_a_data_axis_is_rejected(moe_mesh):
     params = put(moe_params(jax.random.PRNGKey(0)), moe_mesh, MOE_SPECS)
     with pytest.raises(ValueError, match=r"param experts.w1 differs across data-parallel axes"):
         tx.sharded_init(params, moe_mesh)
-
-
-def _pp_step(mesh, tx, params):
-    specs = tx.state_specs(params, mesh)
-
-    @jax.jit
-    @partial(
-        jax.shard_map,
-        mesh=mesh,
-        in_specs=(PP_SPECS, specs, P("data", "tensor")),
-        out_specs=(PP_SPECS, specs),
-    )
-    def step(params, state, batch):
-        _, g = jaxsync.value_and_grad(pp_local_loss, axis_name="data", rules=PP_RULES)(
-            params, batch
-        )
-        updates, state = tx.update(g, state, params)
-        return optax.apply_updates(params, updates), state
-
-    def run(params, state, toks, tgts, lo, hi):
-        for i in range(lo, hi):
-            batch = jax.device_put((toks[i], tgts[i]), NamedSharding(mesh, P("data", "tensor")))
-            params, state = step(params, state, batch)
-        return params, state
-
-    return run
 
 
 def test_model_parallel_state_checkpoint_resumes_on_fewer_data_ranks(tmp_path, pp_mesh):
