@@ -20,6 +20,7 @@ from jaxsync._src.fsdp import clip_by_global_norm as clip_by_global_norm
 from jaxsync._src.fsdp import fully_shard as fully_shard
 from jaxsync._src.fsdp import host_offload_supported as host_offload_supported
 from jaxsync._src.fsdp import offload as offload
+from jaxsync._src.fsdp import with_offloaded_state as with_offloaded_state
 from jaxsync._src.grad_sync import accumulate_grads as accumulate_grads
 from jaxsync._src.grad_sync import all_reduce_grads as all_reduce_grads
 from jaxsync._src.grad_sync import broadcast_params as broadcast_params
@@ -92,4 +93,5 @@ __all__ = [
     "shard_batch",
     "sync_grads",
     "value_and_grad",
+    "with_offloaded_state",
 ]

@@ -295,10 +295,46 @@ def test_offload_to_pinned_host(mesh8):
     )
 
 
+def test_training_with_offloaded_state_equals_on_device(mesh8):
+    params = init(jax.random.PRNGKey(0))
+    data = batches(jax.random.PRNGKey(1), 2)
+    opt = optax.adam(1e-2)
+    fs = jaxsync.fully_shard(params, axis_name="data", units=UNITS, mesh=mesh8)
+    ref, _ = fsdp_run(mesh8, fs, params, opt, data)
+
+    shards = fs.shard(params, mesh8)
+    state, specs = fs.init_optimizer(opt, shards, mesh8)
+    state = jaxsync.offload(state, mesh8, specs)
+
+    @partial(
+        jax.shard_map,
+        mesh=mesh8,
+        in_specs=(fs.specs(), specs, P("data")),
+        out_specs=(fs.specs(), specs),
+    )
+    def step(shards, state, batch):
+        _, g = fs.value_and_grad(fsdp_loss(fs), shards, batch)
+        u, state = opt.update(g, state, shards)
+        return optax.apply_updates(shards, u), state
+
+    step = jaxsync.with_offloaded_state(step, mesh=mesh8, specs=specs)
+    for i in range(2):
+        shards, state = step(shards, state, jaxsync.shard_batch((data[0][i], data[1][i]), mesh8))
+        assert {x.sharding.memory_kind for x in jax.tree.leaves(state)} == {"pinned_host"}
+        assert {x.sharding.memory_kind for x in shards.values()} == {"device"}
+    jax.tree.map(
+        lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
+        ref,
+        fs.unshard(shards, mesh8),
+    )
+
+
 def test_offload_unsupported_backend_is_an_error(mesh8, monkeypatch):
     monkeypatch.setattr(jaxsync._src.fsdp, "host_offload_supported", lambda mesh: False)
     with pytest.raises(ValueError, match="host offload needs 'pinned_host' memory"):
         jaxsync.offload({"a": jnp.zeros(8)}, mesh8, {"a": P("data")})
+    with pytest.raises(ValueError, match="host offload needs 'pinned_host' memory"):
+        jaxsync.with_offloaded_state(lambda s, t: (s, t), mesh=mesh8, specs=P("data"))
 
 
 def test_bad_units(mesh8):

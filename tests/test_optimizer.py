@@ -357,3 +357,31 @@ def test_bad_arguments(mesh8):
     tx = jaxsync.distributed_optimizer({"a": optax.sgd(1.0)}, axis_name="data", labels={"w": "b"})
     with pytest.raises(ValueError, match=r"uses \['b'\]"):
         tx.sharded_init({"w": jnp.zeros(3)}, mesh8)
+
+
+def test_constant_loss_scale_is_undone_exactly(mesh8):
+    params = mlp_params(jax.random.PRNGKey(0))
+    batches = make_batches(jax.random.PRNGKey(1), 3, BATCH)
+    plain = jaxsync.distributed_optimizer(optax.adam(1e-2), axis_name="data")
+    scaled = jaxsync.distributed_optimizer(optax.adam(1e-2), axis_name="data", loss_scale=1024.0)
+    a, _ = run_sharded(mesh8, plain, params, batches)
+    b, state = run_sharded(mesh8, scaled, params, batches, scale_loss=True)
+    assert float(state.loss_scale.scale) == 1024.0  # constant: never changes
+    # a power-of-two scale is exact; what is left is XLA fusing the scaled program
+    # differently (last-bit differences)
+    jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-8), a, b)
+    moved = max(
+        float(jnp.max(jnp.abs(x - y)))
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(params), strict=True)
+    )
+    assert moved > 1e-3
+
+
+def test_num_zeros_counts_real_zeros_not_padding(mesh8):
+    params = mlp_params(jax.random.PRNGKey(0))
+    params["unused"] = jnp.ones((37,))  # not in the loss: its gradient is exactly zero
+    tx = jaxsync.distributed_optimizer(optax.sgd(0.1), axis_name="data", bucket_size=200)
+    layout = tx.layout(params, mesh8)
+    assert sum(b.size - b.used for b in layout.buffers) > 0  # there is padding to ignore
+    _, state = run_sharded(mesh8, tx, params, make_batches(jax.random.PRNGKey(1), 1, BATCH))
+    assert int(state.metrics.num_zeros) == 37
