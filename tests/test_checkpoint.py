@@ -175,3 +175,19 @@ def test_saving_sharded_state_needs_tx(tmp_path, setup):
     ck = jaxsync.Checkpointer(tmp_path / "x")
     with pytest.raises(ValueError, match="needs `tx`"):
         ck.save(1, params=params, opt_state=tx.sharded_init(params, m))
+
+
+def test_conversion_compiles_once_per_model_and_mesh(setup):
+    from jaxsync._src import portable
+
+    params, tx, batches = setup
+    m = mesh_of(4)
+    state = tx.sharded_init(params, m)
+    before = len(portable._PROGRAMS)
+    first = tx.to_portable(state, params, m)
+    p2, s2 = trainer(m, tx, params)(params, state, batches, 0, 1)
+    second = tx.to_portable(s2, p2, m)  # a later save: same program, new values
+    assert len(portable._PROGRAMS) == before + 1
+    assert not np.array_equal(
+        np.asarray(first["master"]["layer0.w"]), np.asarray(second["master"]["layer0.w"])
+    )

@@ -154,7 +154,7 @@ class FullyShard:
             return out
 
         shardings = {u: NamedSharding(mesh, s) for u, s in self.specs().items()}
-        return convert(build, (params,), mesh, shardings)
+        return convert(build, (params,), mesh, shardings, key=("fsdp.shard", self, mesh))
 
     def init_optimizer(
         self, tx: optax.GradientTransformation, shards: dict[str, jax.Array], mesh: Mesh
@@ -192,7 +192,7 @@ class FullyShard:
         out = jax.tree.map(
             lambda _: NamedSharding(mesh, P()), jax.tree.unflatten(self._treedef, list(self._names))
         )
-        return convert(build, (shards,), mesh, out)
+        return convert(build, (shards,), mesh, out, key=("fsdp.unshard", self, mesh))
 
     # ---------------------------------------------------------------- gather
     def gather(self, shards: dict[str, jax.Array], unit: str) -> dict[str, jax.Array]:

@@ -29,11 +29,11 @@ from .axes import (
 )
 from .collectives import bucket_all_gather, bucket_reduce_scatter
 from .finalize import SyncRules
-from .layout import Layout
+from .layout import Layout, check_bucket_size
 from .loss_scale import LossScale, check_loss_scale, update_loss_scale
 from .optimizer_state import DistributedOptimizerState, StepMetrics
 from .plan import Labels, Plan
-from .portable import convert, from_portable, portable_fn
+from .portable import convert, from_portable, portable_fn, signature
 from .specs import param_specs_of
 
 PyTree = Any
@@ -99,7 +99,8 @@ class DistributedOptimizer(optax.GradientTransformationExtraArgs):
         become ``{param name: array of the param's shape}``.
         """
         fn, out, _ = portable_fn(self._config, params, mesh)
-        return convert(fn, (state,), mesh, out)
+        key = ("to_portable", self._config, signature(params), mesh)
+        return convert(fn, (state,), mesh, out, key=key)
 
     def portable_shapes(self, params: PyTree, mesh: Mesh) -> dict[str, Any]:
         """``ShapeDtypeStruct``s (with shardings) of :meth:`to_portable`'s result."""
@@ -116,8 +117,7 @@ class DistributedOptimizer(optax.GradientTransformationExtraArgs):
 
 NEED_PARAMS = (
     "distributed_optimizer.update needs `params`: it returns updates relative to "
-    "them. Call "
-    "`tx.update(grads, state, params)`."
+    "them. Call `tx.update(grads, state, params)`."
 )
 
 
@@ -200,10 +200,7 @@ def distributed_optimizer(
         )
     if clip_grad_norm is not None and not clip_grad_norm > 0:
         raise ValueError(f"`clip_grad_norm` must be positive or None, got {clip_grad_norm!r}.")
-    if bucket_size is not None and (not isinstance(bucket_size, int) or bucket_size <= 0):
-        raise ValueError(
-            f"`bucket_size` must be a positive number of elements or None, got {bucket_size!r}."
-        )
+    check_bucket_size(bucket_size)
     check_loss_scale(loss_scale)
     cfg = Plan(
         inner,
@@ -237,7 +234,6 @@ def distributed_optimizer(
             grads, layout, axis_name=axes, reduce_dtype=reduce_dtype, scale=inv_scale
         )
 
-        # One small all-reduce for the norm and the zero count of the whole model.
         # One small all-reduce over the whole mesh for the norm and the zero count.
         # Every logical element counts once: shards are disjoint over their buffer's
         # axes, pieces over the `varying` axes are distinct, and copies replicated
@@ -245,7 +241,7 @@ def distributed_optimizer(
         mesh_shape = dict(jax.sharding.get_abstract_mesh().shape)
         all_axes = tuple(mesh_shape)
         stats, padding = [], 0.0
-        for bi, (s, buf) in enumerate(zip(shards, layout.buffers, strict=True)):
+        for s, buf in zip(shards, layout.buffers, strict=True):
             key = buf.key
             copies = math.prod(
                 n for a, n in mesh_shape.items() if a not in key.axes and a not in key.varying
@@ -261,7 +257,6 @@ def distributed_optimizer(
             )
             stats.append(to_varying(stat, all_axes))
             padding += (buf.size - buf.used) * math.prod(mesh_shape[a] for a in key.varying)
-            del bi
         total = jax.lax.psum(sum(stats), all_axes)
         grad_norm = jnp.sqrt(total[0])
         num_zeros = jnp.round(total[1] - padding).astype(jnp.int32)

@@ -167,8 +167,32 @@ def params_to_shards(
     return jnp.moveaxis(x, -2, 0).reshape(-1)
 
 
-def convert(fn: Any, args: Any, mesh: Mesh, out_shardings: Any) -> Any:
-    """Runs ``fn(*args)`` jitted on an Auto-axes view of ``mesh``."""
+def signature(tree: PyTree) -> tuple[Any, ...]:
+    """Hashable structure, shapes, dtypes and PartitionSpecs of ``tree``'s leaves."""
+    leaves, treedef = jax.tree.flatten(tree)
+
+    def spec(x: Any) -> tuple[tuple[str, ...], ...]:
+        # As param_specs_of reads it (no NamedSharding means P()), normalised per
+        # dimension, so P() and P(None, None) are the same.
+        sharding = getattr(x, "sharding", None)
+        spec = sharding.spec if isinstance(sharding, NamedSharding) else P()
+        return tuple(_entries(spec, len(x.shape)))
+
+    return (treedef, tuple((tuple(x.shape), str(x.dtype), spec(x)) for x in leaves))
+
+
+# Conversion programs by caller-given key, so a run that saves every N steps
+# compiles each conversion once, not at every save.
+_PROGRAMS: dict[Any, Any] = {}
+_MAX_PROGRAMS = 64
+
+
+def convert(fn: Any, args: Any, mesh: Mesh, out_shardings: Any, *, key: Any = None) -> Any:
+    """Runs ``fn(*args)`` jitted on an Auto-axes view of ``mesh``.
+
+    With ``key`` (everything ``fn`` depends on besides its arguments' values),
+    the compiled program is reused by later calls with the same key.
+    """
     auto = _auto(mesh)
     args = jax.tree.map(
         lambda x: (
@@ -178,17 +202,19 @@ def convert(fn: Any, args: Any, mesh: Mesh, out_shardings: Any) -> Any:
         ),
         args,
     )
-    outs = jax.tree.map(
-        lambda s: NamedSharding(auto, s.spec),
-        out_shardings,
-        is_leaf=lambda x: isinstance(x, NamedSharding),
-    )
-    result = jax.jit(fn, out_shardings=outs)(*args)
-    return jax.tree.map(
-        lambda x, s: jax.device_put(x, s),
-        result,
-        out_shardings,
-    )
+    jitted = _PROGRAMS.get(key) if key is not None else None
+    if jitted is None:
+        outs = jax.tree.map(
+            lambda s: NamedSharding(auto, s.spec),
+            out_shardings,
+            is_leaf=lambda x: isinstance(x, NamedSharding),
+        )
+        jitted = jax.jit(fn, out_shardings=outs)
+        if key is not None:
+            if len(_PROGRAMS) >= _MAX_PROGRAMS:
+                _PROGRAMS.pop(next(iter(_PROGRAMS)))
+            _PROGRAMS[key] = jitted
+    return jax.tree.map(lambda x, s: jax.device_put(x, s), jitted(*args), out_shardings)
 
 
 def from_portable(
@@ -232,7 +258,8 @@ def from_portable(
     shardings = jax.tree.map(
         lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P)
     )
-    return convert(fn, (portable,), mesh, shardings)
+    key = ("from_portable", plan, signature(params), signature(portable), mesh)
+    return convert(fn, (portable,), mesh, shardings, key=key)
 
 
 def portable_fn(plan: Any, params: PyTree, mesh: Mesh) -> tuple[Any, Any, Any]:
