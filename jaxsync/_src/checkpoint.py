@@ -17,9 +17,9 @@ import orbax.checkpoint as ocp
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from .names import param_name
 from .optimizer import DistributedOptimizer
 from .optimizer_state import DistributedOptimizerState
-from .portable import param_name
 
 PyTree = Any
 

@@ -19,7 +19,7 @@ from .layout import BufferKey, Layout
 PyTree = Any
 
 
-def _buffer_axes(layout: Layout, buffer: int, default: tuple[str, ...]) -> tuple[str, ...]:
+def buffer_axes(layout: Layout, buffer: int, default: tuple[str, ...]) -> tuple[str, ...]:
     return layout.buffers[buffer].key.axes or default
 
 
@@ -49,7 +49,7 @@ def extra_reduce(x: jax.Array, key: BufferKey) -> jax.Array:
     return x
 
 
-def _scale(x: jax.Array, factor: float | jax.Array | None) -> jax.Array:
+def scale_by(x: jax.Array, factor: float | jax.Array | None) -> jax.Array:
     return x if factor is None else x * jnp.asarray(factor, x.dtype)
 
 
@@ -81,15 +81,47 @@ def bucket_all_reduce(
     """
     axes = bound_axes(axis_name, "bucket_all_reduce")
     packed = layout.pack(grads, reduce_dtype)
-    factor = _factor(axes, average, scale)
+    factor = mean_factor(axes, average, scale)
     out = []
     for bi, buckets in enumerate(packed):
         key = layout.buffers[bi].key
-        baxes = _buffer_axes(layout, bi, axes)
+        baxes = buffer_axes(layout, bi, axes)
         out.append(
-            tuple(_scale(jax.lax.psum(extra_reduce(b, key), baxes), factor) for b in buckets)
+            tuple(scale_by(reduce_bucket(b, key, baxes, scatter=False), factor) for b in buckets)
         )
     return layout.unpack(out)
+
+
+def reduce_bucket(
+    bucket: jax.Array, key: BufferKey, axes: tuple[str, ...], *, scatter: bool
+) -> jax.Array:
+    """One bucket's data-parallel reduction (after the finalize-rule reductions).
+
+    The reduction runs over the last axis, so a stacked ``[layers, n]`` bucket is
+    reduced for all layers at once and a scanned layer's ``[n]`` row alone.
+    """
+    x = extra_reduce(bucket, key)
+    if scatter:
+        return jax.lax.psum_scatter(x, axes, scatter_dimension=x.ndim - 1, tiled=True)
+    return jax.lax.psum(x, axes)
+
+
+def reduce_scatter_packed(
+    packed: tuple[tuple[jax.Array, ...], ...],
+    layout: Layout,
+    buffers: tuple[int, ...],
+    axes: tuple[str, ...],
+    factor: float | jax.Array | None,
+) -> tuple[jax.Array, ...]:
+    """Reduce-scatters packed buckets of ``buffers`` into one local shard per buffer."""
+    shards = []
+    for bi, buckets in zip(buffers, packed, strict=True):
+        key = layout.buffers[bi].key
+        baxes = buffer_axes(layout, bi, axes)
+        pieces = [reduce_bucket(b, key, baxes, scatter=True) for b in buckets]
+        shard = pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces, axis=-1)
+        shards.append(scale_by(shard, factor))
+    return tuple(shards)
 
 
 def bucket_reduce_scatter(
@@ -104,23 +136,15 @@ def bucket_reduce_scatter(
     """Reduce-scatters ``grads`` bucket by bucket into this rank's local shards.
 
     Returns:
-      One array per buffer of length ``layout.shard_size(buffer)``: the reduced
-      gradient elements this rank owns, in ``reduce_dtype``.
+      One array per buffer of length ``layout.shard_size(buffer)`` (``[layers,
+      shard]`` for a stacked buffer): the reduced gradient elements this rank
+      owns, in ``reduce_dtype``.
     """
     axes = bound_axes(axis_name, "bucket_reduce_scatter")
-    _check_shards(layout, axes, "bucket_reduce_scatter")
+    check_shards(layout, axes, "bucket_reduce_scatter")
     packed = layout.pack(grads, reduce_dtype)
-    factor = _factor(axes, average, scale)
-    shards = []
-    for bi, buckets in enumerate(packed):
-        key = layout.buffers[bi].key
-        baxes = _buffer_axes(layout, bi, axes)
-        pieces = [
-            jax.lax.psum_scatter(extra_reduce(b, key), baxes, scatter_dimension=0, tiled=True)
-            for b in buckets
-        ]
-        shards.append(_scale(pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces), factor))
-    return tuple(shards)
+    factor = mean_factor(axes, average, scale)
+    return reduce_scatter_packed(packed, layout, tuple(range(len(packed))), axes, factor)
 
 
 def bucket_all_gather(
@@ -140,21 +164,21 @@ def bucket_all_gather(
       dtype: cast before the gather (gather bf16 params, not fp32 masters).
     """
     axes = bound_axes(axis_name, "bucket_all_gather")
-    _check_shards(layout, axes, "bucket_all_gather")
+    check_shards(layout, axes, "bucket_all_gather")
     full = []
     for bi, shard in enumerate(shards):
-        baxes = _buffer_axes(layout, bi, axes)
+        baxes = buffer_axes(layout, bi, axes)
         if dtype is not None:
             shard = shard.astype(dtype)
         pieces = [
-            jax.lax.all_gather(p, baxes, axis=0, tiled=True, to="invarying")
+            jax.lax.all_gather(p, baxes, axis=p.ndim - 1, tiled=True, to="invarying")
             for p in layout.split_shard(bi, shard)
         ]
-        full.append(pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces))
+        full.append(pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces, axis=-1))
     return tuple(full)
 
 
-def _factor(
+def mean_factor(
     axes: tuple[str, ...], average: bool, scale: float | jax.Array | None
 ) -> float | jax.Array | None:
     factor = 1.0 / axes_size(axes) if average else None
@@ -163,9 +187,9 @@ def _factor(
     return scale if factor is None else scale * factor
 
 
-def _check_shards(layout: Layout, axes: tuple[str, ...], fn: str) -> None:
+def check_shards(layout: Layout, axes: tuple[str, ...], fn: str) -> None:
     for bi, buf in enumerate(layout.buffers):
-        baxes = _buffer_axes(layout, bi, axes)
+        baxes = buffer_axes(layout, bi, axes)
         n = axes_size(baxes)
         if buf.num_shards != n:
             raise ValueError(

@@ -25,8 +25,10 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from .axes import AxisName, axes_size, bound_axes, mesh_axes_size, normalize_axes, to_varying
-from .layout import BufferKey, Layout, build_layout
-from .portable import convert, param_name
+from .layout import BufferKey, Layout
+from .names import param_name
+from .placement import build_layout
+from .portable import convert
 
 PyTree = Any
 

@@ -10,9 +10,8 @@ collectives, the sharded optimizer, checkpoints and reports all read it.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -21,11 +20,6 @@ import numpy as np
 
 PyTree = Any
 
-#: Param starts are aligned to this many elements when sharding (as Megatron
-#: does), so a parameter never starts in the middle of a cache line.
-PARAM_ALIGNMENT = 64
-#: Buckets are padded to a multiple of lcm(num_shards, this) when sharding.
-BUCKET_ALIGNMENT = 128
 
 
 class BufferKey(NamedTuple):
@@ -46,6 +40,10 @@ class BufferKey(NamedTuple):
       varying: non-data-parallel mesh axes over which the param's values differ
         (tensor- or expert-sharded pieces, per-stage weights); the global norm
         counts such pieces once each, and replicated copies once in all.
+      stack: name of the stacked-layer group (params with a leading layer axis,
+        run by ``lax.scan``) the buffer holds, or None. A stacked buffer is laid
+        out per layer: its arrays are ``[layers, size]``, and every layer has the
+        same buckets and the same per-rank ranges.
     """
 
     dtype: str
@@ -54,11 +52,16 @@ class BufferKey(NamedTuple):
     sum_axes: tuple[tuple[str, tuple[tuple[int, ...], ...] | None], ...] = ()
     mean_axes: tuple[str, ...] = ()
     varying: tuple[str, ...] = ()
+    stack: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
 class ParamSlot:
-    """Where one parameter leaf lives in its buffer."""
+    """Where one parameter leaf lives in its buffer.
+
+    For a stacked leaf (``layers > 0``), ``shape`` is the whole leaf
+    ``(layers, *row_shape)`` and ``start``/``size`` refer to one layer's row.
+    """
 
     path: str
     leaf_index: int
@@ -67,10 +70,16 @@ class ParamSlot:
     buffer: int
     bucket: int
     start: int
+    layers: int = 0
+
+    @property
+    def row_shape(self) -> tuple[int, ...]:
+        """The shape of one layer's slice (the whole shape when not stacked)."""
+        return self.shape[1:] if self.layers else self.shape
 
     @property
     def size(self) -> int:
-        return math.prod(self.shape)
+        return math.prod(self.row_shape)
 
     @property
     def end(self) -> int:
@@ -100,6 +109,12 @@ class Buffer:
     buckets: tuple[Bucket, ...]
     slots: tuple[int, ...]
     num_shards: int = 1  # ranks every bucket is split over
+    layers: int = 0  # leading layer axis of every array of a stacked buffer (0: none)
+
+    @property
+    def lead(self) -> tuple[int, ...]:
+        """Leading dims of this buffer's arrays: ``(layers,)`` when stacked, else ``()``."""
+        return (self.layers,) if self.layers else ()
 
 
 class PieceRange(NamedTuple):
@@ -118,10 +133,6 @@ class PieceRange(NamedTuple):
     in_buffer: tuple[int, int]
     in_shard: tuple[int, int]
     in_param: tuple[int, int]
-
-
-def _round_up(x: int, multiple: int) -> int:
-    return -(-x // multiple) * multiple
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,15 +175,28 @@ class Layout:
 
     @property
     def num_params(self) -> int:
-        return sum(s.size for s in self.slots)
+        """Parameter elements (a stacked leaf counts all its layers)."""
+        return sum(s.size * max(s.layers, 1) for s in self.slots)
 
     @property
     def num_buckets(self) -> int:
         return sum(len(b.buckets) for b in self.buffers)
 
+    def stacks(self) -> dict[str, tuple[int, ...]]:
+        """Stacked-layer groups: ``{group name: indices of its buffers}``."""
+        out: dict[str, list[int]] = {}
+        for bi, buf in enumerate(self.buffers):
+            if buf.key.stack is not None:
+                out.setdefault(buf.key.stack, []).append(bi)
+        return {k: tuple(v) for k, v in out.items()}
+
     # --------------------------------------------------------------- ranges
     def shard_ranges(self, rank: int) -> tuple[PieceRange, ...]:
-        """Per param piece owned by ``rank``: its buffer, shard and param ranges."""
+        """Per param piece owned by ``rank``: its buffer, shard and param ranges.
+
+        For stacked buffers the ranges are those of one layer's row; rank ``rank``
+        owns the same range of every layer.
+        """
         out = []
         for bi, buf in enumerate(self.buffers):
             if not 0 <= rank < buf.num_shards:
@@ -215,47 +239,85 @@ class Layout:
                 )
         return leaves
 
-    def pack(self, tree: PyTree, dtype: Any = None) -> tuple[tuple[jax.Array, ...], ...]:
-        """Bucket arrays per buffer: ``out[buffer][bucket]``, padding zero-filled.
+    def pack_leaves(
+        self,
+        leaves: Sequence[Any],
+        buffers: Sequence[int],
+        dtype: Any = None,
+        *,
+        rows: bool = False,
+    ) -> tuple[tuple[jax.Array, ...], ...]:
+        """Bucket arrays of the given ``buffers`` from leaves indexed like ``slots``.
 
         Args:
-          tree: a pytree with this layout's structure.
-          dtype: cast every element to this dtype; default: each buffer's dtype.
+          leaves: one array per slot (entries of other buffers are not read).
+          buffers: which buffers to pack, in the order returned.
+          dtype: cast to this dtype; default: each buffer's dtype.
+          rows: the leaves are one layer's slices of stacked leaves (as a scanned
+            layer body sees them), so the buckets are 1-D per-layer rows.
         """
-        leaves = self.check_tree(tree)
         out = []
-        for buf in self.buffers:
+        for bi in buffers:
+            buf = self.buffers[bi]
             dt = jnp.dtype(dtype or buf.key.dtype)
+            lead = () if rows else buf.lead
             buckets = []
             for bucket in buf.buckets:
                 parts, pos = [], bucket.start
                 for si in bucket.slots:
                     slot = self.slots[si]
                     if slot.start > pos:
-                        parts.append(jnp.zeros((slot.start - pos,), dt))
-                    parts.append(jnp.ravel(leaves[si]).astype(dt))
+                        parts.append(jnp.zeros((*lead, slot.start - pos), dt))
+                    parts.append(jnp.reshape(leaves[si], (*lead, slot.size)).astype(dt))
                     pos = slot.end
                 if bucket.end > pos:
-                    parts.append(jnp.zeros((bucket.end - pos,), dt))
-                buckets.append(parts[0] if len(parts) == 1 else jnp.concatenate(parts))
+                    parts.append(jnp.zeros((*lead, bucket.end - pos), dt))
+                buckets.append(parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=-1))
             out.append(tuple(buckets))
         return tuple(out)
 
-    def unpack(self, buckets: Sequence[Sequence[jax.Array]], dtype: Any = None) -> PyTree:
-        """Inverse of :meth:`pack`; leaves get their param dtype unless ``dtype``."""
-        leaves: list[Any] = [None] * len(self.slots)
-        for buf, arrays in zip(self.buffers, buckets, strict=True):
+    def unpack_leaves(
+        self,
+        buckets: Sequence[Sequence[jax.Array]],
+        buffers: Sequence[int],
+        dtype: Any = None,
+        *,
+        rows: bool = False,
+    ) -> dict[int, jax.Array]:
+        """Inverse of :meth:`pack_leaves`: ``{slot index: leaf}`` of those buffers."""
+        leaves = {}
+        for bi, arrays in zip(buffers, buckets, strict=True):
+            buf = self.buffers[bi]
             for bucket, arr in zip(buf.buckets, arrays, strict=True):
                 for si in bucket.slots:
                     slot = self.slots[si]
                     lo = slot.start - bucket.start
-                    piece = arr[lo : lo + slot.size].reshape(slot.shape)
+                    shape = slot.row_shape if rows else slot.shape
+                    piece = arr[..., lo : lo + slot.size].reshape(shape)
                     leaves[si] = piece.astype(dtype or slot.dtype)
-        return jax.tree.unflatten(self.treedef, leaves)
+        return leaves
+
+    def pack(self, tree: PyTree, dtype: Any = None) -> tuple[tuple[jax.Array, ...], ...]:
+        """Bucket arrays per buffer: ``out[buffer][bucket]``, padding zero-filled.
+
+        Buckets of a stacked buffer are ``[layers, bucket size]``.
+
+        Args:
+          tree: a pytree with this layout's structure.
+          dtype: cast every element to this dtype; default: each buffer's dtype.
+        """
+        return self.pack_leaves(self.check_tree(tree), range(len(self.buffers)), dtype)
+
+    def unpack(self, buckets: Sequence[Sequence[jax.Array]], dtype: Any = None) -> PyTree:
+        """Inverse of :meth:`pack`; leaves get their param dtype unless ``dtype``."""
+        by_slot = self.unpack_leaves(buckets, range(len(self.buffers)), dtype)
+        return jax.tree.unflatten(self.treedef, [by_slot[i] for i in range(len(self.slots))])
 
     def flatten(self, tree: PyTree, dtype: Any = None) -> tuple[jax.Array, ...]:
-        """One flat array per buffer, of length ``buffer.size``."""
-        return tuple(b[0] if len(b) == 1 else jnp.concatenate(b) for b in self.pack(tree, dtype))
+        """One flat array per buffer: ``[size]``, or ``[layers, size]`` when stacked."""
+        return tuple(
+            b[0] if len(b) == 1 else jnp.concatenate(b, axis=-1) for b in self.pack(tree, dtype)
+        )
 
     def unflatten(self, flat: Sequence[jax.Array], dtype: Any = None) -> PyTree:
         """Inverse of :meth:`flatten`."""
@@ -265,19 +327,19 @@ class Layout:
             )
         return self.unpack(
             [
-                [f[b.start : b.end] for b in buf.buckets]
+                [f[..., b.start : b.end] for b in buf.buckets]
                 for f, buf in zip(flat, self.buffers, strict=True)
             ],
             dtype,
         )
 
     def split_shard(self, buffer: int, shard: jax.Array) -> list[jax.Array]:
-        """Cut a rank's local shard of ``buffer`` into its per-bucket pieces."""
+        """Cut a rank's local shard of ``buffer`` into its per-bucket pieces (last axis)."""
         pieces, off = [], 0
         n = self.buffers[buffer].num_shards
         for b in self.buffers[buffer].buckets:
             k = b.size // n
-            pieces.append(shard[off : off + k])
+            pieces.append(shard[..., off : off + k])
             off += k
         return pieces
 
@@ -287,18 +349,19 @@ class Layout:
         n = self.buffers[buffer].num_shards
         for b in self.buffers[buffer].buckets:
             k = b.size // n
-            pieces.append(jax.lax.dynamic_slice_in_dim(flat, b.start + rank * k, k))
-        return pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces)
+            pieces.append(jax.lax.dynamic_slice_in_dim(flat, b.start + rank * k, k, axis=-1))
+        return pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces, axis=-1)
 
     def gather_shards(self, buffer: int, stacked: jax.Array) -> jax.Array:
-        """Full flat buffer from all ranks' shards stacked as ``(num_shards, shard)``."""
+        """Full flat buffer from all ranks' shards stacked as ``(num_shards, ..., shard)``."""
         parts, off = [], 0
         n = self.buffers[buffer].num_shards
         for b in self.buffers[buffer].buckets:
             k = b.size // n
-            parts.append(stacked[:, off : off + k].reshape(-1))
+            piece = jnp.moveaxis(stacked[..., off : off + k], 0, -2)  # (..., n, k)
+            parts.append(piece.reshape(*piece.shape[:-2], n * k))
             off += k
-        return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
+        return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=-1)
 
     # --------------------------------------------------------------- report
     def summary(self) -> str:
@@ -317,6 +380,7 @@ class Layout:
                 + (f" sum={key.sum_axes}" if key.sum_axes else "")
                 + (f" mean={key.mean_axes}" if key.mean_axes else "")
                 + (f" varying={key.varying}" if key.varying else "")
+                + (f" stack={key.stack} x{buf.layers}" if key.stack else "")
                 + ": "
                 f"{buf.size:,} elements ({buf.used:,} used, {pad:,} padding), "
                 f"{len(buf.buckets)} buckets, shard {self.shard_size(bi):,}"
@@ -332,143 +396,3 @@ class Layout:
 
     def __str__(self) -> str:
         return self.summary()
-
-
-KeyFn = Callable[[str, Any], BufferKey]
-
-EMPTY_TREE = (
-    "`params` has no array leaves: there is nothing to lay out. Pass the model's "
-    "parameter pytree (arrays or jax.ShapeDtypeStruct)."
-)
-
-
-def _default_key(path: str, leaf: Any) -> BufferKey:
-    del path
-    return BufferKey(dtype=jnp.dtype(leaf.dtype).name)
-
-
-def check_bucket_size(bucket_size: int | None) -> None:
-    """``bucket_size`` must be a positive element count, or None for one bucket."""
-    if bucket_size is not None and (not isinstance(bucket_size, int) or bucket_size <= 0):
-        raise ValueError(
-            f"`bucket_size` must be a positive number of elements or None (one bucket "
-            f"per buffer), got {bucket_size!r}."
-        )
-
-
-def build_layout(
-    params: PyTree,
-    *,
-    num_shards: int | Callable[[BufferKey], int] = 1,
-    bucket_size: int | None = None,
-    key_fn: KeyFn | None = None,
-) -> Layout:
-    """Lays out ``params`` in per-key flat buffers cut into buckets.
-
-    Params are placed in reverse tree order, because backprop produces the last
-    layers' gradients first, so the first bucket is ready first. When
-    ``num_shards > 1`` param starts are aligned to 64 elements and each bucket
-    is padded to a multiple of ``lcm(num_shards, 128)``, so rank ``r`` owns the
-    ``r``-th equal slice of every bucket.
-
-    Args:
-      params: pytree of arrays or ``jax.ShapeDtypeStruct`` (floating dtypes only).
-      num_shards: ranks each bucket is split over (1: plain all-reduce), or a
-        function of the buffer's key (expert buffers are split over fewer ranks).
-      bucket_size: a bucket closes once it holds at least this many elements
-        (a param that crosses the limit stays whole); ``None``: one bucket per buffer.
-      key_fn: ``(path, leaf) -> BufferKey``; default groups by dtype alone.
-
-    Returns:
-      A hashable :class:`Layout`, cached on its inputs' shapes and dtypes.
-
-    Example:
-      >>> layout = build_layout({"w": jnp.zeros((3, 4))}, num_shards=2)
-      >>> layout.buffers[0].size
-      128
-    """
-    shards_of = num_shards if callable(num_shards) else (lambda _key: num_shards)
-    check_bucket_size(bucket_size)
-    key_fn = key_fn or _default_key
-    path_leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
-    if not path_leaves:
-        raise ValueError(EMPTY_TREE)
-    specs = []
-    for path, leaf in path_leaves:
-        name = jax.tree_util.keystr(path)
-        dtype = getattr(leaf, "dtype", None)
-        if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
-            raise TypeError(
-                f"param {name} has dtype {dtype} and shape {tuple(np.shape(leaf))}; "
-                "only floating-point leaves can be trained and synced. Keep integer "
-                "state (step counters, rng keys, masks) outside the params pytree."
-            )
-        key = key_fn(name, leaf)
-        if not isinstance(key, BufferKey):
-            raise TypeError(f"`key_fn` must return a BufferKey, got {key!r} for {name}.")
-        specs.append((name, tuple(int(d) for d in np.shape(leaf)), jnp.dtype(dtype).name, key))
-    shards = {}
-    for *_, key in specs:
-        if key not in shards:
-            n = shards_of(key)
-            if not isinstance(n, int) or n < 1:
-                raise ValueError(f"`num_shards` must be a positive int, got {n!r} for {key}.")
-            shards[key] = n
-    return _build(tuple(specs), treedef, tuple(shards.items()), bucket_size)
-
-
-@functools.lru_cache(maxsize=256)
-def _build(
-    specs: tuple[tuple[str, tuple[int, ...], str, BufferKey], ...],
-    treedef: Any,
-    shards: tuple[tuple[BufferKey, int], ...],
-    bucket_size: int | None,
-) -> Layout:
-    shards_of = dict(shards)
-    keys: list[BufferKey] = []
-    members: dict[BufferKey, list[int]] = {}
-    for i in reversed(range(len(specs))):  # reverse tree order
-        key = specs[i][3]
-        if key not in members:
-            keys.append(key)
-            members[key] = []
-        members[key].append(i)
-
-    slots: list[ParamSlot | None] = [None] * len(specs)
-    buffers = []
-    for bi, key in enumerate(keys):
-        num_shards = shards_of[key]
-        sharded = num_shards > 1
-        param_align = PARAM_ALIGNMENT if sharded else 1
-        bucket_align = math.lcm(num_shards, BUCKET_ALIGNMENT) if sharded else 1
-        buckets: list[Bucket] = []
-        pos, bstart, current = 0, 0, []
-        for n, i in enumerate(members[key]):
-            name, shape, dtype, _ = specs[i]
-            start = _round_up(pos, param_align)
-            slots[i] = ParamSlot(name, i, shape, dtype, bi, len(buckets), start)
-            current.append(i)
-            pos = start + math.prod(shape)
-            last = n == len(members[key]) - 1
-            if last or (bucket_size is not None and pos - bstart >= bucket_size):
-                # Close the bucket: pad it so every rank owns an equal slice.
-                end = bstart + _round_up(max(pos - bstart, 1), bucket_align)
-                buckets.append(Bucket(start=bstart, end=end, slots=tuple(current)))
-                pos = bstart = end
-                current = []
-        buffers.append(
-            Buffer(
-                key=key,
-                size=pos,
-                used=sum(math.prod(specs[i][1]) for i in members[key]),
-                buckets=tuple(buckets),
-                slots=tuple(members[key]),
-                num_shards=num_shards,
-            )
-        )
-    return Layout(
-        treedef=treedef,
-        slots=tuple(s for s in slots if s is not None),
-        buffers=tuple(buffers),
-        bucket_size=bucket_size,
-    )

@@ -21,10 +21,11 @@ from jax.sharding import PartitionSpec as P
 from .axes import varying_axes
 from .elementwise import check_elementwise
 from .finalize import ExpertParallel, SyncRules, sync_keys
-from .layout import BufferKey, Layout, build_layout
+from .layout import BufferKey, Layout
 from .loss_scale import LossScale, init_loss_scale
+from .names import param_name
 from .optimizer_state import DistributedOptimizerState, StepMetrics
-from .portable import param_name
+from .placement import build_layout
 from .specs import local_shape, param_specs_of, spec_axes
 
 PyTree = Any
@@ -45,8 +46,10 @@ class Plan:
         loss_scale: LossScale,
         check_elementwise: bool,
         rules: SyncRules | None = None,
+        stacked: tuple[str, ...] = (),
     ):
         self.rules = rules
+        self.stacked = stacked
         self.inner = inner
         self.axes = axes
         self.labels = labels
@@ -114,6 +117,7 @@ class Plan:
             num_shards=lambda key: math.prod(mesh_shape[a] for a in key.axes),
             bucket_size=self.bucket_size,
             key_fn=key_fn,
+            stacked=self.stacked,
         )
 
     def layout_inside(self, params: PyTree) -> Layout:
@@ -183,10 +187,10 @@ class Plan:
         shapes = jax.eval_shape(lambda p: self.init_for_rank(p, layout, lambda _: 0), local)
 
         def spec_for(bi: int) -> Callable[[Any], P]:
-            size = layout.shard_size(bi)
-            key = layout.buffers[bi].key
-            sharded = P(key.axes + key.varying)
-            return lambda x: sharded if x.ndim >= 1 and x.shape[0] == size else P()
+            buf = layout.buffers[bi]
+            shape = (*buf.lead, layout.shard_size(bi))
+            sharded = P(*(None,) * len(buf.lead), buf.key.axes + buf.key.varying)
+            return lambda x: sharded if tuple(x.shape) == shape else P()
 
         return DistributedOptimizerState(
             master=tuple(spec_for(bi)(m) for bi, m in enumerate(shapes.master)),

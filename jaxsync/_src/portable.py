@@ -25,23 +25,10 @@ from jax.sharding import PartitionSpec as P
 
 from .layout import Layout
 from .loss_scale import LossScaleState
+from .names import param_name
 from .optimizer_state import DistributedOptimizerState, StepMetrics
-from .specs import spec_axes
 
 PyTree = Any
-
-
-def param_name(path: tuple[Any, ...]) -> str:
-    """``(DictKey('layer0'), DictKey('w'))`` -> ``"layer0.w"``: a stable, file-safe name."""
-    parts = []
-    for k in path:
-        for attr in ("key", "idx", "name"):
-            if hasattr(k, attr):
-                parts.append(str(getattr(k, attr)))
-                break
-        else:
-            parts.append(str(k))
-    return ".".join(parts) or "root"
 
 
 def buffer_name(layout: Layout, buffer: int) -> str:
@@ -115,6 +102,13 @@ def disassemble(
     return jnp.transpose(x, [pos[a] for a in varying] + local)
 
 
+def _row_specs(layout: Layout, buffer: int, specs: list[P]) -> list[P]:
+    """Specs of one layer's slice: a stacked leaf's spec without its layer entry."""
+    if not layout.buffers[buffer].layers:
+        return specs
+    return [P(*tuple(s)[1:]) for s in specs]
+
+
 def shards_to_params(
     layout: Layout,
     buffer: int,
@@ -126,8 +120,26 @@ def shards_to_params(
     """Global shard array of one buffer -> ``{param name: global param array}``.
 
     The global array is laid out as ``(dp ranks, *varying axes, shard)``, the
-    order of the buffer's ``P(axes + varying)`` spec.
+    order of the buffer's ``P(axes + varying)`` spec; a stacked buffer has a
+    leading layer axis, converted layer by layer.
     """
+    buf = layout.buffers[buffer]
+    rows = _row_specs(layout, buffer, specs)
+    if buf.layers:
+        return jax.vmap(lambda g: _row_to_params(layout, buffer, g, names, rows, sizes))(
+            global_shards
+        )
+    return _row_to_params(layout, buffer, global_shards, names, rows, sizes)
+
+
+def _row_to_params(
+    layout: Layout,
+    buffer: int,
+    global_shards: jax.Array,
+    names: list[str],
+    specs: list[P],
+    sizes: dict[str, int],
+) -> dict[str, jax.Array]:
     buf = layout.buffers[buffer]
     varying = buf.key.varying
     nv = [sizes[a] for a in varying]
@@ -137,7 +149,7 @@ def shards_to_params(
     out = {}
     for si in buf.slots:
         slot = layout.slots[si]
-        piece = flat[..., slot.start : slot.end].reshape(*nv, *slot.shape)
+        piece = flat[..., slot.start : slot.end].reshape(*nv, *slot.row_shape)
         out[names[si]] = assemble(piece, specs[si], varying) if varying else piece
     return out
 
@@ -152,9 +164,25 @@ def params_to_shards(
 ) -> jax.Array:
     """Inverse of :func:`shards_to_params`, for (possibly) another layout and mesh."""
     buf = layout.buffers[buffer]
+    rows = _row_specs(layout, buffer, specs)
+    if buf.layers:
+        mine = {names[si]: arrays[names[si]] for si in buf.slots}
+        return jax.vmap(lambda a: _params_to_row(layout, buffer, a, names, rows, sizes))(mine)
+    return _params_to_row(layout, buffer, arrays, names, rows, sizes)
+
+
+def _params_to_row(
+    layout: Layout,
+    buffer: int,
+    arrays: dict[str, jax.Array],
+    names: list[str],
+    specs: list[P],
+    sizes: dict[str, int],
+) -> jax.Array:
+    buf = layout.buffers[buffer]
     varying = buf.key.varying
     nv = [sizes[a] for a in varying]
-    dtype = next(iter(arrays.values())).dtype
+    dtype = arrays[names[buf.slots[0]]].dtype
     flat = jnp.zeros((*nv, buf.size), dtype)
     for si in buf.slots:
         slot = layout.slots[si]
@@ -165,6 +193,14 @@ def params_to_shards(
     parts = [flat[..., b.start : b.end].reshape(*nv, buf.num_shards, -1) for b in buf.buckets]
     x = jnp.concatenate(parts, axis=-1)
     return jnp.moveaxis(x, -2, 0).reshape(-1)
+
+
+def global_shape(shape: tuple[int, ...], spec: P, sizes: dict[str, int]) -> tuple[int, ...]:
+    """Global shape of an array whose per-device shape is ``shape`` under ``spec``."""
+    return tuple(
+        d * math.prod(sizes[a] for a in axes)
+        for d, axes in zip(shape, _entries(spec, len(shape)), strict=True)
+    )
 
 
 def signature(tree: PyTree) -> tuple[Any, ...]:
@@ -307,12 +343,7 @@ def portable_fn(plan: Any, params: PyTree, mesh: Mesh) -> tuple[Any, Any, Any]:
 
     abstract = jax.eval_shape(lambda p: plan.init_for_rank(p, layout, lambda _: 0), local)
     glob = jax.tree.map(
-        lambda x, s: jax.ShapeDtypeStruct(
-            (x.shape[0] * math.prod(sizes[a] for a in spec_axes(s)), *x.shape[1:])
-            if s != P()
-            else x.shape,
-            x.dtype,
-        ),
+        lambda x, s: jax.ShapeDtypeStruct(global_shape(x.shape, s, sizes), x.dtype),
         abstract,
         specs,
         is_leaf=lambda x: isinstance(x, P) or x is None,
