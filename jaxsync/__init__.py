@@ -37,14 +37,18 @@ from jaxsync._src.layout import BufferKey as BufferKey
 from jaxsync._src.layout import Layout as Layout
 from jaxsync._src.layout import ParamSlot as ParamSlot
 from jaxsync._src.layout import PieceRange as PieceRange
-from jaxsync._src.layout import build_layout as build_layout
 from jaxsync._src.loss_scale import DynamicLossScale as DynamicLossScale
 from jaxsync._src.loss_scale import LossScaleState as LossScaleState
+from jaxsync._src.names import param_name as param_name
 from jaxsync._src.optimizer import DistributedOptimizer as DistributedOptimizer
 from jaxsync._src.optimizer import distributed_optimizer as distributed_optimizer
 from jaxsync._src.optimizer_state import DistributedOptimizerState as DistributedOptimizerState
+from jaxsync._src.optimizer_state import ShardedGrads as ShardedGrads
 from jaxsync._src.optimizer_state import StepMetrics as StepMetrics
-from jaxsync._src.portable import param_name as param_name
+from jaxsync._src.placement import build_layout as build_layout
+from jaxsync._src.scan_sync import DataParallel as DataParallel
+from jaxsync._src.scan_sync import LayerStack as LayerStack
+from jaxsync._src.scan_sync import tap as tap
 
 __version__ = "0.1.0"
 
@@ -52,15 +56,18 @@ __all__ = [
     "Bucket",
     "Checkpointer",
     "CollectiveStats",
+    "DataParallel",
     "DistributedOptimizer",
     "DistributedOptimizerState",
     "DynamicLossScale",
     "ExpertParallel",
     "FullyShard",
+    "LayerStack",
     "LossScaleState",
     "MixedPrecision",
     "Restored",
     "SequenceParallel",
+    "ShardedGrads",
     "StepMetrics",
     "SyncRules",
     "Tied",
@@ -92,6 +99,7 @@ __all__ = [
     "raise_if_nonfinite",
     "shard_batch",
     "sync_grads",
+    "tap",
     "value_and_grad",
     "with_offloaded_state",
 ]

@@ -21,7 +21,9 @@ import optax
 from .axes import AxisName, bound_axes, normalize_axes, rank, to_varying
 from .collectives import bucket_all_reduce
 from .finalize import SyncRules, sync_keys
-from .layout import BufferKey, Layout, build_layout
+from .layout import BufferKey, Layout
+from .placement import build_layout
+from .scan_sync import sync_value_and_grad
 
 PyTree = Any
 
@@ -33,6 +35,7 @@ def value_and_grad(
     argnums: int | Sequence[int] = 0,
     has_aux: bool = False,
     rules: SyncRules | None = None,
+    sync: Any = None,
 ) -> Callable[..., Any]:
     """Like ``jax.value_and_grad``, but returns this device's local gradients.
 
@@ -47,10 +50,22 @@ def value_and_grad(
     same rules) performs those reductions bucket by bucket. Over any other axis
     JAX's own autodiff keeps reducing replicated params, as it always does.
 
+    With ``sync`` (a :func:`jaxsync.distributed_optimizer` or a
+    :class:`jaxsync.DataParallel`) the gradients come back *reduced*: stacked
+    groups (``stacked=`` of the sync) reach ``fun`` as views that the scanned
+    layer body passes through :func:`jaxsync.tap`, which reduces each layer's
+    gradient inside the backward scan; the other params are reduced bucket by
+    bucket after it. A distributed optimizer gets :class:`jaxsync.ShardedGrads`
+    for ``tx.update``; ``DataParallel`` gets the averaged gradient tree for any
+    optax optimizer. ``argnums`` must then be one int, and ``rules`` come from
+    the sync.
+
     Example:
       >>> loss, grads = jaxsync.value_and_grad(loss_fn, axis_name="data")(params, batch)
       >>> grads = jaxsync.all_reduce_grads(grads, axis_name="data")
     """
+    if sync is not None:
+        return _synced(fun, sync, argnums, has_aux, rules)
     vg = jax.value_and_grad(fun, argnums=argnums, has_aux=has_aux)
     nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
 
@@ -71,6 +86,32 @@ def value_and_grad(
     return wrapped
 
 
+def _synced(
+    fun: Callable[..., Any], sync: Any, argnums: Any, has_aux: bool, rules: Any
+) -> Callable[..., Any]:
+    if not isinstance(argnums, int):
+        raise ValueError(
+            f"with `sync`, `argnums` must be a single int (the params argument), got {argnums!r}."
+        )
+    if rules is not None:
+        raise ValueError(
+            "with `sync`, pass `rules` to the sync (jaxsync.DataParallel(rules=...) or "
+            "distributed_optimizer(rules=...)), not to value_and_grad: one place decides them."
+        )
+
+    def wrapped(*args: Any) -> Any:
+        args = list(args)
+        params = args[argnums]
+
+        def call(p: PyTree, *rest: Any) -> Any:
+            return fun(*rest[:argnums], p, *rest[argnums:])
+
+        others = args[:argnums] + args[argnums + 1 :]
+        return sync_value_and_grad(call, sync, params, others, has_aux=has_aux)
+
+    return wrapped
+
+
 def accumulate_grads(
     fun: Callable[..., Any],
     params: PyTree,
@@ -80,12 +121,20 @@ def accumulate_grads(
     has_aux: bool = False,
     accum_dtype: Any = jnp.float32,
     rules: SyncRules | None = None,
+    sync: Any = None,
 ) -> tuple[Any, PyTree]:
     """Mean loss and mean *local* gradients over microbatches, with no communication.
 
     This is Megatron's ``no_sync``: gradients of every microbatch are summed
     locally in ``accum_dtype`` (a ``lax.scan``, so memory stays at one
     microbatch), and only the result is synced once, by the caller.
+
+    With ``sync`` (as in :func:`value_and_grad`) the step still syncs once: the
+    first microbatches run without communication, and the last one runs with
+    in-loop sync, adding the accumulated gradients of each layer before that
+    layer's reduction in the backward scan (Megatron's sync in the last
+    microbatch). The result is then reduced (:class:`ShardedGrads` for a
+    distributed optimizer).
 
     Args:
       fun: ``fun(params, microbatch) -> loss`` (or ``(loss, aux)`` with ``has_aux``).
@@ -112,6 +161,8 @@ def accumulate_grads(
         )
     (n,) = counts
     axes = bound_axes(axis_name, "jaxsync.accumulate_grads")
+    if sync is not None:
+        return _accumulate_synced(fun, params, microbatches, n, axes, has_aux, sync)
     vg = value_and_grad(fun, axis_name=axes, has_aux=has_aux, rules=rules)
 
     def body(acc: PyTree, mb: PyTree) -> tuple[PyTree, Any]:
@@ -131,6 +182,44 @@ def accumulate_grads(
         losses, aux = outs
         return (jnp.mean(losses), jax.tree.map(lambda a: a[-1], aux)), grads
     return jnp.mean(outs), grads
+
+
+def _accumulate_synced(
+    fun: Callable[..., Any],
+    params: PyTree,
+    microbatches: PyTree,
+    n: int,
+    axes: tuple[str, ...],
+    has_aux: bool,
+    sync: Any,
+) -> tuple[Any, Any]:
+    last = jax.tree.map(lambda m: m[-1], microbatches)
+    acc = None
+    if n > 1:
+        rules = getattr(sync, "rules", None) or getattr(
+            getattr(sync, "__dict__", {}).get("config"), "rules", None
+        )
+        head = jax.tree.map(lambda m: m[:-1], microbatches)
+        out0, acc = accumulate_grads(
+            fun, params, head, axis_name=axes, has_aux=has_aux, rules=rules
+        )
+        acc = jax.tree.map(lambda g: g * (n - 1), acc)  # the sum, not the mean
+    out, grads = sync_value_and_grad(
+        fun,
+        sync,
+        params,
+        (last,),
+        has_aux=has_aux,
+        acc=acc,
+        microbatches=n,
+        fn="jaxsync.accumulate_grads",
+    )
+    if n == 1:
+        return out, grads
+    if has_aux:
+        (loss0, _), (loss, aux) = out0, out
+        return ((loss0 * (n - 1) + loss) / n, aux), grads
+    return (out0 * (n - 1) + out) / n, grads
 
 
 def _sync_layout(

@@ -10,7 +10,7 @@ from ``P * (4 + state)`` bytes to ``ceil(P / N) * (4 + state)`` plus padding.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -29,9 +29,10 @@ from .axes import (
 )
 from .collectives import bucket_all_gather, bucket_reduce_scatter
 from .finalize import SyncRules
-from .layout import Layout, check_bucket_size
+from .layout import Layout
 from .loss_scale import LossScale, check_loss_scale, update_loss_scale
-from .optimizer_state import DistributedOptimizerState, StepMetrics
+from .optimizer_state import DistributedOptimizerState, ShardedGrads, StepMetrics
+from .placement import check_bucket_size, normalize_stacked
 from .plan import Labels, Plan
 from .portable import convert, from_portable, portable_fn, signature
 from .specs import param_specs_of
@@ -115,6 +116,19 @@ class DistributedOptimizer(optax.GradientTransformationExtraArgs):
         return self.__dict__["config"]
 
 
+def check_sharded_grads(grads: ShardedGrads, layout: Layout) -> tuple[jax.Array, ...]:
+    """The shards of ``grads``, after checking they fit ``layout``'s buffers."""
+    expected = [(*b.lead, layout.shard_size(i)) for i, b in enumerate(layout.buffers)]
+    got = [tuple(s.shape) for s in grads.shards]
+    if got != expected:
+        raise ValueError(
+            f"`grads` are ShardedGrads with shard shapes {got}, but this optimizer's layout "
+            f"for these params has {expected}. Compute them with "
+            "`jaxsync.value_and_grad(..., sync=tx)` using this same `tx` and params."
+        )
+    return grads.shards
+
+
 NEED_PARAMS = (
     "distributed_optimizer.update needs `params`: it returns updates relative to "
     "them. Call `tx.update(grads, state, params)`."
@@ -132,6 +146,7 @@ def distributed_optimizer(
     loss_scale: LossScale = None,
     check_elementwise: bool = True,
     rules: SyncRules | None = None,
+    stacked: str | Sequence[str] | None = None,
 ) -> DistributedOptimizer:
     """Wraps an elementwise optax optimizer into a ZeRO sharded optimizer.
 
@@ -168,6 +183,11 @@ def distributed_optimizer(
         tensor or expert axes (compute the gradients with the same rules in
         :func:`jaxsync.value_and_grad`). Expert buffers are sharded over the
         expert-data-parallel axes only.
+      stacked: dotted name prefixes of stacked-layer groups (``"blocks"``:
+        params with a leading layer axis, run by ``lax.scan``). Their state is
+        ``[layers, shard]``: rank ``r`` owns the same range of every layer, so
+        :func:`jaxsync.value_and_grad` with ``sync=tx`` can reduce-scatter each
+        layer's gradients inside the backward scan (see :func:`jaxsync.tap`).
 
     Returns:
       A :class:`DistributedOptimizer` (an ``optax.GradientTransformationExtraArgs``).
@@ -202,6 +222,7 @@ def distributed_optimizer(
         raise ValueError(f"`clip_grad_norm` must be positive or None, got {clip_grad_norm!r}.")
     check_bucket_size(bucket_size)
     check_loss_scale(loss_scale)
+    stacked = normalize_stacked(stacked)
     cfg = Plan(
         inner,
         axes,
@@ -212,6 +233,7 @@ def distributed_optimizer(
         loss_scale,
         check_elementwise,
         rules,
+        stacked,
     )
 
     def init_fn(params: PyTree) -> DistributedOptimizerState:
@@ -228,11 +250,17 @@ def distributed_optimizer(
             raise ValueError(NEED_PARAMS)
         bound_axes(axes, "distributed_optimizer.update")
         layout = cfg.layout_inside(params)
-        layout.check_tree(grads, "grads")
         inv_scale = 1.0 / state.loss_scale.scale
-        shards = bucket_reduce_scatter(
-            grads, layout, axis_name=axes, reduce_dtype=reduce_dtype, scale=inv_scale
-        )
+        if isinstance(grads, ShardedGrads):
+            # Reduced already (inside the backward scan): only unscale.
+            shards = tuple(
+                s * inv_scale.astype(s.dtype) for s in check_sharded_grads(grads, layout)
+            )
+        else:
+            layout.check_tree(grads, "grads")
+            shards = bucket_reduce_scatter(
+                grads, layout, axis_name=axes, reduce_dtype=reduce_dtype, scale=inv_scale
+            )
 
         # One small all-reduce over the whole mesh for the norm and the zero count.
         # Every logical element counts once: shards are disjoint over their buffer's

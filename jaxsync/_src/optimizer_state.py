@@ -26,6 +26,20 @@ class StepMetrics(NamedTuple):
     skipped_steps: jax.Array
 
 
+class ShardedGrads(NamedTuple):
+    """Gradients already reduced over the data axes, as this rank's shards.
+
+    What :func:`jaxsync.value_and_grad` returns with ``sync=tx`` for a
+    distributed optimizer: one array per buffer of ``tx``'s layout (``[shard]``,
+    or ``[layers, shard]`` for a stacked buffer), averaged over ranks and
+    microbatches, in the optimizer's reduce dtype. Stacked buffers were
+    reduce-scattered inside the backward scan, layer by layer. ``tx.update``
+    takes them as they are, without another reduction.
+    """
+
+    shards: tuple[jax.Array, ...]
+
+
 class DistributedOptimizerState(NamedTuple):
     """State of :func:`distributed_optimizer`; arrays only.
 
