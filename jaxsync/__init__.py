@@ -44,6 +44,9 @@ from jaxsync._src.optimizer import DistributedOptimizer as DistributedOptimizer
 from jaxsync._src.optimizer import distributed_optimizer as distributed_optimizer
 from jaxsync._src.optimizer_state import DistributedOptimizerState as DistributedOptimizerState
 from jaxsync._src.optimizer_state import StepMetrics as StepMetrics
+from jaxsync._src.overlap import CollectiveSite as CollectiveSite
+from jaxsync._src.overlap import OverlapReport as OverlapReport
+from jaxsync._src.overlap import overlap_report as overlap_report
 from jaxsync._src.portable import param_name as param_name
 
 __version__ = "0.1.0"
@@ -51,6 +54,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Bucket",
     "Checkpointer",
+    "CollectiveSite",
     "CollectiveStats",
     "DistributedOptimizer",
     "DistributedOptimizerState",
@@ -59,6 +63,7 @@ __all__ = [
     "FullyShard",
     "LossScaleState",
     "MixedPrecision",
+    "OverlapReport",
     "Restored",
     "SequenceParallel",
     "StepMetrics",
@@ -87,6 +92,7 @@ __all__ = [
     "lowered_collective_counts",
     "nonfinite_grads",
     "offload",
+    "overlap_report",
     "param_name",
     "normalize_axes",
     "raise_if_nonfinite",
