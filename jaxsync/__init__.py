@@ -45,6 +45,9 @@ from jaxsync._src.optimizer import distributed_optimizer as distributed_optimize
 from jaxsync._src.optimizer_state import DistributedOptimizerState as DistributedOptimizerState
 from jaxsync._src.optimizer_state import ShardedGrads as ShardedGrads
 from jaxsync._src.optimizer_state import StepMetrics as StepMetrics
+from jaxsync._src.overlap import CollectiveSite as CollectiveSite
+from jaxsync._src.overlap import OverlapReport as OverlapReport
+from jaxsync._src.overlap import overlap_report as overlap_report
 from jaxsync._src.placement import build_layout as build_layout
 from jaxsync._src.scan_sync import DataParallel as DataParallel
 from jaxsync._src.scan_sync import LayerStack as LayerStack
@@ -55,6 +58,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Bucket",
     "Checkpointer",
+    "CollectiveSite",
     "CollectiveStats",
     "DataParallel",
     "DistributedOptimizer",
@@ -65,6 +69,7 @@ __all__ = [
     "LayerStack",
     "LossScaleState",
     "MixedPrecision",
+    "OverlapReport",
     "Restored",
     "SequenceParallel",
     "ShardedGrads",
@@ -94,6 +99,7 @@ __all__ = [
     "lowered_collective_counts",
     "nonfinite_grads",
     "offload",
+    "overlap_report",
     "param_name",
     "normalize_axes",
     "raise_if_nonfinite",
