@@ -105,3 +105,47 @@ def run_reference(opt, params, batches, loss_fn=mlp_loss, master_dtype=None):
     for i in range(xs.shape[0]):
         master, state = step(master, state, (xs[i], ys[i]))
     return jax.tree.map(lambda m, p: m.astype(p.dtype), master, params), master
+
+
+# --------------------------------------------------------------- scanned model
+def scanned_params(key, layers=4, din=5, d=16, hidden=24, dout=3, dtype=jnp.float32):
+    """Residual tanh-MLP blocks stacked ``[L, ...]`` (as lax.scan runs them)."""
+    ks = jax.random.split(key, 6)
+    params = {
+        "inp": {"w": jax.random.normal(ks[0], (din, d)) / np.sqrt(din)},
+        "blocks": {
+            "w1": jax.random.normal(ks[1], (layers, d, hidden)) / np.sqrt(d),
+            "b1": 0.1 * jax.random.normal(ks[2], (layers, hidden)),
+            "w2": jax.random.normal(ks[3], (layers, hidden, d)) / np.sqrt(hidden),
+            "g": 1.0 + 0.1 * jax.random.normal(ks[4], (layers, d)),
+        },
+        "head": {"w": jax.random.normal(ks[5], (d, dout)) / np.sqrt(d)},
+    }
+    return jax.tree.map(lambda p: p.astype(dtype), params)
+
+
+def scanned_block(p, h):
+    f32 = lambda a: a.astype(jnp.float32)  # noqa: E731
+    return h + jnp.tanh(h @ f32(p["w1"]) + f32(p["b1"])) @ f32(p["w2"]) * f32(p["g"])
+
+
+def scanned_loss(params, batch):
+    """The model as large JAX models write it: scan over the stack, remat per layer."""
+    x, y = batch
+    h = x.astype(jnp.float32) @ params["inp"]["w"].astype(jnp.float32)
+
+    def body(h, p):
+        p = jaxsync.tap(p)  # identity outside jaxsync's in-loop sync
+        return scanned_block(p, h), None
+
+    h, _ = jax.lax.scan(jax.checkpoint(body), h, params["blocks"])
+    out = h @ params["head"]["w"].astype(jnp.float32)
+    return jnp.mean((out - y) ** 2)
+
+
+def scanned_batches(key, steps, batch, din=5, dout=3):
+    kx, ky = jax.random.split(key)
+    return (
+        jax.random.normal(kx, (steps, batch, din)),
+        jax.random.normal(ky, (steps, batch, dout)),
+    )

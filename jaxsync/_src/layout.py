@@ -21,7 +21,6 @@ import numpy as np
 PyTree = Any
 
 
-
 class BufferKey(NamedTuple):
     """What decides which flat buffer a parameter goes to.
 

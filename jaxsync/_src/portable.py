@@ -45,6 +45,8 @@ def buffer_name(layout: Layout, buffer: int) -> str:
         parts.append("mean-" + "+".join(key.mean_axes))
     if key.varying:
         parts.append("varying-" + "+".join(key.varying))
+    if key.stack:
+        parts.append("stack-" + key.stack)
     return ".".join(parts)
 
 
@@ -182,7 +184,7 @@ def _params_to_row(
     buf = layout.buffers[buffer]
     varying = buf.key.varying
     nv = [sizes[a] for a in varying]
-    dtype = arrays[names[buf.slots[0]]].dtype
+    dtype = next(iter(arrays.values())).dtype
     flat = jnp.zeros((*nv, buf.size), dtype)
     for si in buf.slots:
         slot = layout.slots[si]

@@ -1,0 +1,245 @@
+"""Scanned (stacked) layers: layout, in-loop sync, equivalence, placement, memory."""
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxsync
+from tests.helpers import run_reference, scanned_batches, scanned_loss, scanned_params
+
+STEPS, BATCH, LAYERS = 3, 32, 4
+CLIP = 0.5
+
+
+def _inner():
+    return optax.adamw(1e-2, weight_decay=0.1)
+
+
+def _reference(params, batches, master_dtype=None):
+    opt = optax.chain(optax.clip_by_global_norm(CLIP), _inner())
+    return run_reference(opt, params, batches, loss_fn=scanned_loss, master_dtype=master_dtype)
+
+
+def _train(mesh, mode, params, batches, microbatches=1, bucket_size=300, donate=False):
+    """``mode``: "zero" (in-loop reduce-scatter), "ddp" (in-loop all-reduce),
+    "zero-after" (the stacked optimizer fed local grads, synced after the loop)."""
+    if mode.startswith("zero"):
+        tx = jaxsync.distributed_optimizer(
+            _inner(), axis_name="data", stacked="blocks", clip_grad_norm=CLIP,
+            bucket_size=bucket_size,
+        )  # fmt: skip
+        sync = None if mode == "zero-after" else tx
+        state = tx.sharded_init(params, mesh)
+        specs = tx.state_specs(params, mesh)
+    else:
+        sync = jaxsync.DataParallel("data", stacked="blocks", bucket_size=bucket_size)
+        tx = optax.chain(optax.clip_by_global_norm(CLIP), _inner())
+        state = tx.init(params)
+        specs = jax.tree.map(lambda _: P(), state)
+
+    @partial(jax.jit, donate_argnums=(0, 1) if donate else ())
+    @partial(jax.shard_map, mesh=mesh, in_specs=(P(), specs, P("data")),
+             out_specs=(P(), specs, P()))  # fmt: skip
+    def step(p, s, batch):
+        if microbatches > 1:
+            mbs = jax.tree.map(lambda a: a.reshape(microbatches, -1, *a.shape[1:]), batch)
+            loss, g = jaxsync.accumulate_grads(scanned_loss, p, mbs, axis_name="data", sync=sync)
+        else:
+            vg = jaxsync.value_and_grad(scanned_loss, axis_name="data", sync=sync)
+            loss, g = vg(p, batch)
+        u, s = tx.update(g, s, p)
+        return optax.apply_updates(p, u), s, jax.lax.pmean(loss, "data")
+
+    xs, ys = batches
+    losses = []
+    for i in range(xs.shape[0]):
+        batch = jax.device_put((xs[i], ys[i]), NamedSharding(mesh, P("data")))
+        params, state, loss = step(params, state, batch)
+        losses.append(float(loss))
+    return params, state, tx, step, losses
+
+
+# ------------------------------------------------------------------ layout
+def test_stacked_layout_is_per_layer():
+    params = scanned_params(jax.random.PRNGKey(0), layers=LAYERS)
+    layout = jaxsync.build_layout(params, num_shards=8, bucket_size=300, stacked="blocks")
+    stacks = layout.stacks()
+    assert set(stacks) == {"blocks"}
+    for bi, buf in enumerate(layout.buffers):
+        assert buf.layers == (LAYERS if bi in stacks["blocks"] else 0)
+    (sb,) = stacks["blocks"]
+    buf = layout.buffers[sb]
+    # one layer's row in reverse tree order (keys sort b1, g, w1, w2): w2 (384) closes
+    # bucket 0; w1 (384) bucket 1; g (16) at 768, b1 (24) aligned to 832, bucket 2
+    # padded to a multiple of 128.
+    starts = {layout.slots[i].path: layout.slots[i].start for i in buf.slots}
+    assert starts == {"['blocks']['w2']": 0, "['blocks']['w1']": 384,
+                      "['blocks']['g']": 768, "['blocks']['b1']": 832}  # fmt: skip
+    assert [(b.start, b.end) for b in buf.buckets] == [(0, 384), (384, 768), (768, 896)]
+    flat = layout.flatten(params)
+    assert flat[sb].shape == (LAYERS, 896)
+    back = layout.unflatten(flat)
+    jax.tree.map(np.testing.assert_array_equal, params, back)
+    # rank r owns the same range of every layer: shard_of on [L, size] slices columns
+    shard = layout.shard_of(sb, flat[sb], 3)
+    assert shard.shape == (LAYERS, 112)
+    np.testing.assert_array_equal(shard[:, :48], flat[sb][:, 3 * 48 : 4 * 48])
+
+
+def test_stacked_layout_errors():
+    params = scanned_params(jax.random.PRNGKey(0))
+    params["blocks"]["bad"] = jnp.zeros((LAYERS + 1, 3))
+    with pytest.raises(ValueError, match=r"mixes layer counts.*blocks\.bad"):
+        jaxsync.build_layout(params, stacked="blocks")
+    with pytest.raises(ValueError, match=r"`stacked` names \['blokcs'\], which match no params"):
+        jaxsync.build_layout(scanned_params(jax.random.PRNGKey(0)), stacked="blokcs")
+
+
+def _array_bytes(shape: str) -> int:
+    """Bytes of an f32 array named like ``f32[4,112]``; scalars (norms, loss) count 0."""
+    assert shape.startswith("f32["), shape
+    dims = [int(d) for d in shape[4:-1].split(",") if d]
+    return 4 * int(np.prod(dims)) if dims else 0
+
+
+# ------------------------------------------------------------- equivalence
+@pytest.mark.parametrize("mode", ["zero", "ddp", "zero-after"])
+@pytest.mark.parametrize("microbatches", [1, 2])
+def test_scanned_equals_single_device(mesh8, mode, microbatches):
+    params = scanned_params(jax.random.PRNGKey(0), layers=LAYERS)
+    batches = scanned_batches(jax.random.PRNGKey(1), STEPS, BATCH)
+    ref, _ = _reference(params, batches)
+    got, state, *_ = _train(mesh8, mode, params, batches, microbatches)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=3e-5, atol=3e-6), ref, got)
+    if mode != "ddp":
+        # the stacked state is [L, shard]: rank r owns the same columns of every layer
+        shapes = {s.data.shape for m in state.master for s in m.addressable_shards}
+        assert (LAYERS, 896 // 8) in shapes
+
+
+def test_scanned_bf16_params_fp32_master(mesh8):
+    params = scanned_params(jax.random.PRNGKey(0), dtype=jnp.bfloat16)
+    batches = scanned_batches(jax.random.PRNGKey(1), STEPS, BATCH)
+    ref, ref_master = _reference(params, batches, master_dtype=jnp.float32)
+    got, state, tx, *_ = _train(mesh8, "zero", params, batches)
+    master = tx.to_portable(state, params, mesh8)["master"]
+    names = [jaxsync.param_name(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+    for name, r, m, g in zip(names, jax.tree.leaves(ref_master), [master[n] for n in names],
+                             jax.tree.leaves(got), strict=True):  # fmt: skip
+        assert m.dtype == jnp.float32 and g.dtype == jnp.bfloat16, name
+        # Adam turns the bf16 rounding of local grads into at most a fraction of lr per step
+        np.testing.assert_allclose(r, m, rtol=0, atol=2.5e-2, err_msg=name)
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(m.astype(jnp.bfloat16)))
+    ref_leaves = [np.asarray(a, np.float32) for a in jax.tree.leaves(ref)]
+    got_leaves = [np.asarray(b, np.float32) for b in jax.tree.leaves(got)]
+    for a, b in zip(ref_leaves, got_leaves, strict=True):
+        np.testing.assert_allclose(a, b, rtol=2**-7, atol=2.5e-2)
+
+
+# --------------------------------------------------------------- placement
+@pytest.mark.parametrize("mode, kind", [("zero", "reduce-scatter"), ("ddp", "all-reduce")])
+def test_gradient_collectives_sit_in_the_backward_loop(mesh8, mode, kind):
+    params = scanned_params(jax.random.PRNGKey(0), layers=LAYERS)
+    batches = scanned_batches(jax.random.PRNGKey(1), 1, BATCH)
+    p, state, tx, step, _ = _train(mesh8, mode, params, batches)
+    batch = jax.device_put((batches[0][0], batches[1][0]), NamedSharding(mesh8, P("data")))
+    report = jaxsync.overlap_report(step.lower(p, state, batch).compile())
+    layout = jaxsync.build_layout(
+        params, num_shards=8 if mode == "zero" else 1, bucket_size=300, stacked="blocks"
+    )
+    (sb,) = layout.stacks()["blocks"]
+    n_buckets = len(layout.buffers[sb].buckets)
+    in_loop = report.in_loop(kind=kind, role="backward")
+    # one array per layer bucket (XLA:CPU's combiner may merge them into one tuple
+    # collective), each run once per layer
+    assert sum(len(c.shapes) for c in in_loop) == n_buckets, report
+    assert all(c.trip_count == LAYERS for c in in_loop)
+    row_bytes = sum(b.size for b in layout.buffers[sb].buckets) * 4
+    assert sum(c.bytes for c in in_loop) == (row_bytes // 8 if mode == "zero" else row_bytes)
+    # after the loop, only the unstacked params' gradients are reduced: no collective
+    # touches the stacked gradients there
+    entry = report.in_entry(kind=kind)
+    free_bytes = sum(b.size for i, b in enumerate(layout.buffers) if i != sb) * 4
+    grad_bytes = sum(_array_bytes(s) for c in entry for s in c.shapes)
+    assert grad_bytes == (free_bytes // 8 if mode == "zero" else free_bytes), report
+    assert not report.in_loop(role="forward")
+
+
+def test_plain_value_and_grad_syncs_after_the_loop(mesh8):
+    """The baseline the tap fixes: local grads of the stack, reduced after the loop."""
+    params = scanned_params(jax.random.PRNGKey(0), layers=LAYERS)
+    batches = scanned_batches(jax.random.PRNGKey(1), 1, BATCH)
+    p, state, tx, step, _ = _train(mesh8, "zero-after", params, batches)
+    batch = jax.device_put((batches[0][0], batches[1][0]), NamedSharding(mesh8, P("data")))
+    report = jaxsync.overlap_report(step.lower(p, state, batch).compile())
+    assert not report.in_loop(kind="reduce-scatter")
+    assert report.in_entry(kind="reduce-scatter")
+
+
+# ------------------------------------------------------------------ memory
+def test_stacked_state_is_the_zero_figure(mesh8):
+    params = scanned_params(jax.random.PRNGKey(0), layers=LAYERS, dtype=jnp.bfloat16)
+    tx = jaxsync.distributed_optimizer(optax.adam(1e-3), axis_name="data", stacked="blocks")
+    state = tx.sharded_init(params, mesh8)
+    layout = tx.layout(params, mesh8)
+    elems = sum(max(b.layers, 1) * layout.shard_size(i) for i, b in enumerate(layout.buffers))
+    dev = jax.devices()[0]
+    per_device = sum(
+        s.data.nbytes
+        for leaf in jax.tree.leaves(state)
+        for s in leaf.addressable_shards
+        if s.device == dev
+    )
+    n_counts = len(layout.buffers)  # Adam's count, one per buffer
+    scalars = 4 * n_counts + 4 + 4 + 4 + 4 + 1 + 4 + 4
+    assert per_device == 12 * elems + scalars
+    n_params = sum(p.size for p in jax.tree.leaves(params))
+    padding = sum(max(b.layers, 1) * (b.size - b.used) for b in layout.buffers)
+    assert 8 * elems == n_params + padding
+
+
+# ---------------------------------------------------------- checkpoint form
+def test_stacked_state_portable_across_dp_sizes(mesh8):
+    params = scanned_params(jax.random.PRNGKey(0), layers=LAYERS)
+    batches = scanned_batches(jax.random.PRNGKey(1), STEPS, BATCH)
+    _, state, tx, *_ = _train(mesh8, "zero", params, batches)
+    portable = tx.to_portable(state, params, mesh8)
+    assert portable["master"]["blocks.w1"].shape == (LAYERS, 16, 24)
+    mesh2 = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+    tx2 = jaxsync.distributed_optimizer(
+        _inner(), axis_name="data", stacked="blocks", clip_grad_norm=CLIP, bucket_size=300
+    )
+    params2 = jax.device_put(params, NamedSharding(mesh2, P()))
+    state2 = tx2.from_portable(portable, params2, mesh2)
+    assert (LAYERS, 896 // 2) in {s.data.shape for m in state2.master for s in m.addressable_shards}
+    again = tx2.to_portable(state2, params2, mesh2)
+    jax.tree.map(np.testing.assert_array_equal, portable, again)
+
+
+# ------------------------------------------------------------------ misuse
+def test_forgotten_tap_is_a_clear_error(mesh8):
+    def no_tap(params, batch):
+        x, _ = batch
+
+        def body(h, p):
+            return h @ p["w1"][:, :16], None
+
+        h, _ = jax.lax.scan(body, x @ params["inp"]["w"], params["blocks"])
+        return jnp.mean(h)
+
+    params = scanned_params(jax.random.PRNGKey(0))
+    sync = jaxsync.DataParallel("data", stacked="blocks")
+    f = jax.shard_map(
+        jaxsync.value_and_grad(no_tap, axis_name="data", sync=sync),
+        mesh=mesh8, in_specs=(P(), P("data")), out_specs=(P(), P()),
+    )  # fmt: skip
+    batch = scanned_batches(jax.random.PRNGKey(1), 1, BATCH)
+    batch = jax.device_put((batch[0][0], batch[1][0]), NamedSharding(mesh8, P("data")))
+    with pytest.raises(TypeError, match=r"jaxsync\.tap\(p\)"):
+        jax.jit(f)(params, batch)
