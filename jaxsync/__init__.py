@@ -3,6 +3,7 @@
 from jaxsync._src.axes import normalize_axes as normalize_axes
 from jaxsync._src.checkpoint import Checkpointer as Checkpointer
 from jaxsync._src.checkpoint import Restored as Restored
+from jaxsync._src.clip import clip_by_global_norm as clip_by_global_norm
 from jaxsync._src.collectives import bucket_all_gather as bucket_all_gather
 from jaxsync._src.collectives import bucket_all_reduce as bucket_all_reduce
 from jaxsync._src.collectives import bucket_reduce_scatter as bucket_reduce_scatter
@@ -15,12 +16,8 @@ from jaxsync._src.finalize import SequenceParallel as SequenceParallel
 from jaxsync._src.finalize import SyncRules as SyncRules
 from jaxsync._src.finalize import Tied as Tied
 from jaxsync._src.fsdp import FullyShard as FullyShard
-from jaxsync._src.fsdp import MixedPrecision as MixedPrecision
-from jaxsync._src.fsdp import clip_by_global_norm as clip_by_global_norm
 from jaxsync._src.fsdp import fully_shard as fully_shard
-from jaxsync._src.fsdp import host_offload_supported as host_offload_supported
-from jaxsync._src.fsdp import offload as offload
-from jaxsync._src.fsdp import with_offloaded_state as with_offloaded_state
+from jaxsync._src.fsdp_gather import MixedPrecision as MixedPrecision
 from jaxsync._src.grad_sync import accumulate_grads as accumulate_grads
 from jaxsync._src.grad_sync import all_reduce_grads as all_reduce_grads
 from jaxsync._src.grad_sync import broadcast_params as broadcast_params
@@ -40,6 +37,9 @@ from jaxsync._src.layout import PieceRange as PieceRange
 from jaxsync._src.loss_scale import DynamicLossScale as DynamicLossScale
 from jaxsync._src.loss_scale import LossScaleState as LossScaleState
 from jaxsync._src.names import param_name as param_name
+from jaxsync._src.offload import host_offload_supported as host_offload_supported
+from jaxsync._src.offload import offload as offload
+from jaxsync._src.offload import with_offloaded_state as with_offloaded_state
 from jaxsync._src.optimizer import DistributedOptimizer as DistributedOptimizer
 from jaxsync._src.optimizer import distributed_optimizer as distributed_optimizer
 from jaxsync._src.optimizer_state import DistributedOptimizerState as DistributedOptimizerState

@@ -182,6 +182,62 @@ def test_plain_value_and_grad_syncs_after_the_loop(mesh8):
     assert report.in_entry(kind="reduce-scatter")
 
 
+# -------------------------------------------------------------------- FSDP
+def _train_fsdp(mesh, params, batches, microbatches=1, reshard=True):
+    inner = _inner()
+    fs = jaxsync.fully_shard(
+        params, axis_name="data", units=["inp", "head"], mesh=mesh, stacked="blocks",
+        reshard_after_forward=reshard,
+    )  # fmt: skip
+    shards = fs.shard(params, mesh)
+    state, state_specs = fs.init_optimizer(inner, shards, mesh)
+    specs = fs.specs()
+
+    @jax.jit
+    @partial(jax.shard_map, mesh=mesh, in_specs=(specs, state_specs, P("data")),
+             out_specs=(specs, state_specs))  # fmt: skip
+    def step(shards, state, batch):
+        loss_fn = lambda s, b: scanned_loss(fs.view(s), b)  # noqa: E731
+        _, g = fs.value_and_grad(loss_fn, shards, batch, microbatches=microbatches)
+        updates, state = inner.update(g, state, shards)
+        return optax.apply_updates(shards, updates), state
+
+    xs, ys = batches
+    for i in range(xs.shape[0]):
+        batch = jax.device_put((xs[i], ys[i]), NamedSharding(mesh, P("data")))
+        shards, state = step(shards, state, batch)
+    return fs, shards, state, step, batch
+
+
+@pytest.mark.parametrize("reshard, microbatches", [(True, 1), (False, 1), (True, 2)])
+def test_fsdp_scanned_equals_single_device(mesh8, reshard, microbatches):
+    params = scanned_params(jax.random.PRNGKey(0), layers=LAYERS)
+    batches = scanned_batches(jax.random.PRNGKey(1), STEPS, BATCH)
+    ref, _ = run_reference(_inner(), params, batches, loss_fn=scanned_loss)
+    fs, shards, *_ = _train_fsdp(mesh8, params, batches, microbatches, reshard)
+    # the stack is one unit, [L, shard] per device
+    assert {s.data.shape for s in shards["blocks"].addressable_shards} == {(LAYERS, 112)}
+    got = fs.unshard(shards, mesh8)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=3e-5, atol=3e-6), ref, got)
+
+
+def test_fsdp_scanned_gathers_in_forward_and_scatters_in_backward_loop(mesh8):
+    params = scanned_params(jax.random.PRNGKey(0), layers=LAYERS)
+    batches = scanned_batches(jax.random.PRNGKey(1), 1, BATCH)
+    fs, shards, state, step, batch = _train_fsdp(mesh8, params, batches)
+    report = jaxsync.overlap_report(step.lower(shards, state, batch).compile())
+    row = fs.layout("blocks").buffers[0].size
+    (fwd,) = report.in_loop(kind="all-gather", role="forward")
+    assert fwd.shapes == (f"f32[{row}]",) and fwd.trip_count == LAYERS
+    # the rematted layer body gathers again in the backward (reshard after forward)
+    (regather,) = report.in_loop(kind="all-gather", role="backward")
+    assert regather.shapes == (f"f32[{row}]",)
+    (rs,) = report.in_loop(kind="reduce-scatter", role="backward")
+    assert rs.shapes == (f"f32[{row // 8}]",) and rs.trip_count == LAYERS
+    # only the unstacked units are gathered and reduced outside the loops
+    assert all(c.bytes <= 512 for c in report.in_entry())
+
+
 # ------------------------------------------------------------------ memory
 def test_stacked_state_is_the_zero_figure(mesh8):
     params = scanned_params(jax.random.PRNGKey(0), layers=LAYERS, dtype=jnp.bfloat16)

@@ -13,54 +13,27 @@ reduce-scatter per unit per step (two all-gathers with ``reshard_after_forward``
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Sequence
-from functools import partial
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import optax
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from .axes import AxisName, axes_size, bound_axes, mesh_axes_size, normalize_axes, to_varying
+from .axes import AxisName, bound_axes, mesh_axes_size, normalize_axes, to_varying
+from .fsdp_gather import MixedPrecision, cast_floats, gather_shard, reduce_shard
 from .layout import BufferKey, Layout
-from .names import param_name
-from .placement import build_layout
+from .names import group_of, param_name
+from .placement import build_layout, normalize_stacked, stack_layers
 from .portable import convert
 
 PyTree = Any
 
-
-@dataclasses.dataclass(frozen=True)
-class MixedPrecision:
-    """FSDP2's mixed-precision policy.
-
-    Attributes:
-      param_dtype: dtype the params are gathered in and computed with.
-      reduce_dtype: dtype gradients are reduce-scattered (and all-reduced) in.
-      output_dtype: cast each unit's floating outputs to this (None: leave).
-      cast_forward_inputs: cast each unit's floating inputs to ``param_dtype``.
-    """
-
-    param_dtype: Any = jnp.float32
-    reduce_dtype: Any = jnp.float32
-    output_dtype: Any = None
-    cast_forward_inputs: bool = True
-
-
-def _cast_floats(tree: PyTree, dtype: Any) -> PyTree:
-    if dtype is None:
-        return tree
-    return jax.tree.map(
-        lambda x: (
-            x.astype(dtype)
-            if isinstance(x, jax.Array | jnp.ndarray) and jnp.issubdtype(x.dtype, jnp.floating)
-            else x
-        ),
-        tree,
-    )
+#: ``checkpoint_name`` of a gathered stacked layer (for remat policies).
+GATHERED = "jaxsync_gathered_layer"
 
 
 class FullyShard:
@@ -83,8 +56,10 @@ class FullyShard:
         replicate_axis: AxisName | None,
         num_shards: int,
         remat_policy: Callable[..., Any] = jax.checkpoint_policies.dots_saveable,
+        stacked: tuple[str, ...] = (),
     ):
         self.axes = normalize_axes(axis_name)
+        self.stacked = stacked
         self.replicate_axes = () if replicate_axis is None else normalize_axes(replicate_axis)
         overlap = set(self.axes) & set(self.replicate_axes)
         if overlap:
@@ -97,9 +72,14 @@ class FullyShard:
         self.remat_policy = remat_policy
         leaves = jax.tree_util.tree_flatten_with_path(params)[0]
         names = [param_name(p) for p, _ in leaves]
-        self.units = tuple(units)
+        self.units = tuple(units) + tuple(g for g in stacked if g not in units)
+        layers = stack_layers(params, stacked) if stacked else {}
         unit_of = []
         for name in names:
+            group = group_of(name, stacked)
+            if group is not None:
+                unit_of.append(group)  # a scanned stack is one unit, never split
+                continue
             hits = [u for u in self.units if name == u or name.startswith(u + ".")]
             if not hits:
                 raise ValueError(
@@ -120,9 +100,13 @@ class FullyShard:
                 sub,
                 num_shards=num_shards,
                 key_fn=lambda _p, _x: BufferKey(jnp.dtype(policy.param_dtype).name, self.axes),
+                stacked=(u,) if u in layers else None,
             )
         self._names = tuple(names)
         self.num_shards = num_shards
+        self._layers = layers
+        self._template = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+        self._groups = _group_trees(params, stacked)
 
     # --------------------------------------------------------------- layout
     def layout(self, unit: str) -> Layout:
@@ -134,9 +118,12 @@ class FullyShard:
         return {self._names[i]: leaves[i] for i in self._members[unit]}
 
     def specs(self) -> dict[str, P]:
-        """PartitionSpecs of the shards (shard over ``axis_name``, replicated elsewhere)."""
-        spec = P(self.axes if len(self.axes) > 1 else self.axes[0])
-        return dict.fromkeys(self.units, spec)
+        """PartitionSpecs of the shards (shard over ``axis_name``, replicated elsewhere).
+
+        A stacked unit's shard is ``[layers, shard]``, sharded on its last axis.
+        """
+        axes = self.axes if len(self.axes) > 1 else self.axes[0]
+        return {u: P(None, axes) if u in self._layers else P(axes) for u in self.units}
 
     def shard(self, params: PyTree, mesh: Mesh) -> dict[str, jax.Array]:
         """Global fp32 shards of (replicated) ``params``: ``{unit: (N * shard,) array}``."""
@@ -152,7 +139,8 @@ class FullyShard:
             for u in self.units:
                 layout = self._sub[u]
                 (flat,) = layout.flatten(self._unit_params(params, u), jnp.float32)
-                out[u] = jnp.stack([layout.shard_of(0, flat, r) for r in range(n)]).reshape(-1)
+                ranks = jnp.stack([layout.shard_of(0, flat, r) for r in range(n)], axis=-2)
+                out[u] = ranks.reshape(*ranks.shape[:-2], -1)  # [(layers,) n * shard]
             return out
 
         shardings = {u: NamedSharding(mesh, s) for u, s in self.specs().items()}
@@ -169,12 +157,14 @@ class FullyShard:
         """
         specs = self.specs()
         local = {
-            u: jax.ShapeDtypeStruct((self._sub[u].shard_size(0),), jnp.float32) for u in self.units
+            u: jax.ShapeDtypeStruct(
+                (*self._sub[u].buffers[0].lead, self._sub[u].shard_size(0)), jnp.float32
+            )
+            for u in self.units
         }
         abstract = jax.eval_shape(tx.init, local)
-        sizes = {s.shape for s in local.values()}
-        spec = specs[self.units[0]]
-        state_specs = jax.tree.map(lambda x: spec if x.shape in sizes else P(), abstract)
+        spec_of = {local[u].shape: specs[u] for u in self.units}
+        state_specs = jax.tree.map(lambda x: spec_of.get(x.shape, P()), abstract)
         init = jax.shard_map(tx.init, mesh=mesh, in_specs=(specs,), out_specs=state_specs)
         return jax.jit(init)(shards), state_specs
 
@@ -185,7 +175,8 @@ class FullyShard:
         def build(shards: dict[str, jax.Array]) -> PyTree:
             for u in self.units:
                 layout = self._sub[u]
-                flat = layout.gather_shards(0, shards[u].reshape(self.num_shards, -1))
+                x = shards[u].reshape(*layout.buffers[0].lead, self.num_shards, -1)
+                flat = layout.gather_shards(0, jnp.moveaxis(x, -2, 0))
                 tree = layout.unflatten((flat,), jnp.float32)
                 for i in self._members[u]:
                     leaves[i] = tree[self._names[i]]
@@ -207,7 +198,7 @@ class FullyShard:
         axes = bound_axes(self.axes, "FullyShard.gather")
         rep = bound_axes(self.replicate_axes, "FullyShard.gather") if self.replicate_axes else ()
         layout = self._sub[unit]
-        flat = _gather(
+        flat = gather_shard(
             shards[unit],
             axes,
             rep,
@@ -215,6 +206,57 @@ class FullyShard:
             jnp.dtype(self.policy.reduce_dtype).name,
         )
         return layout.unflatten((flat,), self.policy.param_dtype)
+
+    def gather_layer(self, shard: jax.Array, unit: str) -> PyTree:
+        """One layer of a stacked unit, gathered (inside the scanned layer body).
+
+        Returns the layer's params shaped like the stacked group's subtree; the
+        backward reduce-scatters the layer's gradient inside the backward scan.
+        """
+        axes = bound_axes(self.axes, "FullyShard.gather_layer")
+        rep = bound_axes(self.replicate_axes, "FullyShard.gather") if self.replicate_axes else ()
+        layout = self._sub[unit]
+        flat = gather_shard(
+            shard, axes, rep, jnp.dtype(self.policy.param_dtype).name,
+            jnp.dtype(self.policy.reduce_dtype).name,
+        )  # fmt: skip
+        # Named, so a remat policy can keep gathered layers (save_only_these_names)
+        # when memory allows, instead of gathering them again in the backward.
+        flat = checkpoint_name(flat, GATHERED)
+        by_slot = layout.unpack_leaves([[flat]], [0], self.policy.param_dtype, rows=True)
+        named = jax.tree.unflatten(layout.treedef, [by_slot[i] for i in range(len(by_slot))])
+        treedef, names = self._groups[unit]
+        return jax.tree.unflatten(treedef, [named[n] for n in names])
+
+    def view(self, shards: dict[str, Any]) -> PyTree:
+        """The params as the model reads them, from the shards (inside shard_map).
+
+        Unstacked units are gathered here (their gradient is reduce-scattered when
+        the backward pass is done with them); each stacked group stays sharded, as
+        a pytree that ``lax.scan`` slices per layer and :func:`jaxsync.tap` gathers
+        inside the layer body. So the model code is the same as for plain data
+        parallelism: ``loss_fn(fs.view(shards), batch)``. With
+        ``reshard_after_forward``, remat the scanned layer body
+        (``jax.checkpoint``) so that the backward gathers each layer again instead
+        of keeping every gathered layer alive.
+        """
+        gathered: dict[str, Any] = {}
+        for u in self.units:
+            if u not in self._layers:
+                gathered.update(self.gather(shards, u))
+
+        def place(path: Any, x: Any) -> Any:
+            name = param_name(path)
+            return (
+                ShardedLayers(shards[name], self, name) if name in self._layers else gathered[name]
+            )
+
+        return jax.tree_util.tree_map_with_path(
+            place,
+            self._template,
+            is_leaf=lambda path, _: param_name(path) in self._layers,
+            is_leaf_takes_path=True,
+        )
 
     def apply(self, shards: dict[str, Any], unit: str, fn: Callable[..., Any], *inputs: Any) -> Any:
         """Runs ``fn(unit_params, *inputs)`` with the unit gathered just before use.
@@ -227,7 +269,7 @@ class FullyShard:
         gathered params (a dict), they are used as is.
         """
         if self.policy.cast_forward_inputs:
-            inputs = _cast_floats(inputs, self.policy.param_dtype)
+            inputs = cast_floats(inputs, self.policy.param_dtype)
 
         def run(shard: Any, *inputs: Any) -> Any:
             full = shard if isinstance(shard, dict) else self.gather({unit: shard}, unit)
@@ -240,7 +282,7 @@ class FullyShard:
             # XLA:CPU we saw the pair merged anyway (not checked on GPU here).
             run = jax.checkpoint(run, policy=self.remat_policy)
         out = run(shards[unit], *inputs)
-        return _cast_floats(out, self.policy.output_dtype)
+        return cast_floats(out, self.policy.output_dtype)
 
     def gather_all(self, shards: dict[str, jax.Array]) -> dict[str, dict[str, jax.Array]]:
         """Every unit gathered (for accumulation without a sync per microbatch)."""
@@ -253,7 +295,7 @@ class FullyShard:
         for u in self.units:
             layout = self._sub[u]
             (flat,) = layout.flatten(grads[u], self.policy.reduce_dtype)
-            out[u] = _reduce(flat, axes, self.replicate_axes)
+            out[u] = reduce_shard(flat, axes, self.replicate_axes)
         return out
 
     def value_and_grad(
@@ -297,32 +339,44 @@ class FullyShard:
         return loss, grads
 
 
-def _reduce(flat: jax.Array, axes: tuple[str, ...], replicate: tuple[str, ...]) -> jax.Array:
-    out = jax.lax.psum_scatter(flat, axes, scatter_dimension=0, tiled=True)
-    if replicate:
-        out = jax.lax.psum(out, replicate)
-    return out * (1.0 / axes_size(axes + replicate))
+@jax.tree_util.register_pytree_node_class
+class ShardedLayers:
+    """A stacked FSDP unit's ``[layers, shard]`` shard as the model sees it.
+
+    ``lax.scan`` slices it like any pytree; :func:`jaxsync.tap` on the slice
+    gathers that one layer (see :meth:`FullyShard.view`).
+    """
+
+    def __init__(self, shard: Any, fs: FullyShard, unit: str):
+        self.shard, self.fs, self.unit = shard, fs, unit
+
+    def tree_flatten(self) -> tuple[tuple[Any], tuple[FullyShard, str]]:
+        return (self.shard,), (self.fs, self.unit)
+
+    @classmethod
+    def tree_unflatten(cls, aux: tuple[FullyShard, str], children: Any) -> ShardedLayers:
+        return cls(children[0], *aux)
+
+    def jaxsync_gather(self) -> PyTree:
+        return self.fs.gather_layer(self.shard, self.unit)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
-def _gather(shard: jax.Array, axes, replicate, param_dtype: str, reduce_dtype: str) -> jax.Array:
-    # Gathered as device-varying (over the replica axes too): typed replicated,
-    # JAX would psum its cotangent before our backward ever saw it (the implicit
-    # all-reduce), and the replica all-reduce would happen twice.
-    full = jax.lax.all_gather(shard.astype(param_dtype), axes, axis=0, tiled=True)
-    return to_varying(full, replicate) if replicate else full
+def _group_trees(params: PyTree, stacked: Sequence[str]) -> dict[str, tuple[Any, list[str]]]:
+    """Per stacked group: the treedef of its subtree and its leaves' full names."""
+    out: dict[str, tuple[Any, list[str]]] = {}
 
+    def grab(path: Any, sub: Any) -> Any:
+        name = param_name(path)
+        if name in stacked:
+            rel = jax.tree_util.tree_flatten_with_path(sub)[0]
+            names = [f"{name}.{param_name(p)}" if p else name for p, _ in rel]
+            out[name] = (jax.tree.structure(sub), names)
+        return sub
 
-def _gather_fwd(shard, axes, replicate, param_dtype, reduce_dtype):
-    # The residual only carries the shard's dtype (an empty array of it).
-    return _gather(shard, axes, replicate, param_dtype, reduce_dtype), jnp.zeros((0,), shard.dtype)
-
-
-def _gather_bwd(axes, replicate, param_dtype, reduce_dtype, like, ct):
-    return (_reduce(ct.astype(reduce_dtype), axes, replicate).astype(like.dtype),)
-
-
-_gather.defvjp(_gather_fwd, _gather_bwd)
+    jax.tree_util.tree_map_with_path(
+        grab, params, is_leaf=lambda path, _: param_name(path) in stacked, is_leaf_takes_path=True
+    )
+    return out
 
 
 def fully_shard(
@@ -335,6 +389,7 @@ def fully_shard(
     reshard_after_forward: bool = True,
     replicate_axis: AxisName | None = None,
     remat_policy: Callable[..., Any] = jax.checkpoint_policies.dots_saveable,
+    stacked: str | Sequence[str] | None = None,
 ) -> FullyShard:
     """Splits ``params`` into fully sharded units (ZeRO-3 / FSDP2).
 
@@ -352,6 +407,11 @@ def fully_shard(
         the whole unit, as activation checkpointing does).
       replicate_axis: hybrid sharding: shard over ``axis_name`` inside each
         group, replicate over this axis (gradients all-reduced across it).
+      stacked: dotted prefixes of stacked-layer groups (leading layer axis, run
+        by ``lax.scan``). Each is a unit of its own whose shard is
+        ``[layers, shard]``; the model reads it through :meth:`FullyShard.view`
+        and :func:`jaxsync.tap`, which gathers one layer in the forward loop body
+        and reduce-scatters its gradient in the backward loop body.
 
     Example:
       >>> fs = jaxsync.fully_shard(params, axis_name="data", mesh=mesh,
@@ -362,7 +422,8 @@ def fully_shard(
     n = mesh_axes_size(mesh, axis_name, "jaxsync.fully_shard")
     if replicate_axis is not None:
         mesh_axes_size(mesh, replicate_axis, "jaxsync.fully_shard")
-    if not units:
+    stacked = normalize_stacked(stacked)
+    if not units and not stacked:
         raise ValueError("`units` is empty; name at least one unit (a param-name prefix).")
     return FullyShard(
         params,
@@ -373,95 +434,5 @@ def fully_shard(
         replicate_axis=replicate_axis,
         num_shards=n,
         remat_policy=remat_policy,
+        stacked=stacked,
     )
-
-
-def clip_by_global_norm(max_norm: float, *, axis_name: AxisName) -> optax.GradientTransformation:
-    """``optax.clip_by_global_norm`` for gradients sharded over ``axis_name``.
-
-    The norm is summed over the shards of every rank (one scalar all-reduce),
-    so every rank clips by the same, true global norm. Padding is zero and does
-    not count.
-    """
-    axes = normalize_axes(axis_name)
-
-    def init_fn(params: PyTree) -> optax.EmptyState:
-        del params
-        return optax.EmptyState()
-
-    def update_fn(updates: PyTree, state: Any, params: PyTree = None) -> tuple[PyTree, Any]:
-        del params
-        bound_axes(axes, "jaxsync.clip_by_global_norm")
-        sq = sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(updates))
-        norm = jnp.sqrt(jax.lax.psum(sq, axes))
-        keep = norm < max_norm
-        updates = jax.tree.map(
-            lambda g: jnp.where(keep, g, (g / norm.astype(g.dtype)) * max_norm), updates
-        )
-        return updates, state
-
-    return optax.GradientTransformation(init_fn, update_fn)
-
-
-def host_offload_supported(mesh: Mesh) -> bool:
-    """Whether every device of ``mesh`` has pinned host memory (for offloading)."""
-    return all(
-        "pinned_host" in {m.kind for m in d.addressable_memories()}
-        for d in mesh.devices.flat
-        if d.process_index == jax.process_index()
-    )
-
-
-def _require_host_memory(mesh: Mesh) -> None:
-    if not host_offload_supported(mesh):
-        kinds = sorted({m.kind for m in mesh.devices.flat[0].addressable_memories()})
-        raise ValueError(
-            f"host offload needs 'pinned_host' memory, but {mesh.devices.flat[0].platform} "
-            f"devices offer {kinds}. Run without offload on this backend."
-        )
-
-
-def _shardings(mesh: Mesh, specs: PyTree, kind: str) -> PyTree:
-    return jax.tree.map(
-        lambda s: NamedSharding(mesh, s, memory_kind=kind),
-        specs,
-        is_leaf=lambda x: isinstance(x, P),
-    )
-
-
-def offload(tree: PyTree, mesh: Mesh, specs: PyTree) -> PyTree:
-    """Moves ``tree`` (e.g. optimizer state) to pinned host memory, keeping its sharding.
-
-    Raises:
-      ValueError: the backend has no pinned host memory (not a silent no-op).
-    """
-    _require_host_memory(mesh)
-    return jax.device_put(tree, _shardings(mesh, specs, "pinned_host"))
-
-
-def with_offloaded_state(
-    step: Callable[..., Any], *, mesh: Mesh, specs: PyTree, argnum: int = 1, out_index: int = 1
-) -> Callable[..., Any]:
-    """Jits ``step`` so that its state lives in pinned host memory between steps.
-
-    ``step`` (typically a ``jax.shard_map``-ed function, not yet jitted) takes the
-    state as argument ``argnum`` and returns it as output ``out_index``. The
-    wrapped step copies the state to device memory on entry and back to the
-    host on exit, inside one program, so XLA can overlap the copies with compute.
-    Pass state placed with :func:`offload`.
-
-    Raises:
-      ValueError: the backend has no pinned host memory.
-    """
-    _require_host_memory(mesh)
-    on_device = _shardings(mesh, specs, "device")
-    on_host = _shardings(mesh, specs, "pinned_host")
-
-    def wrapped(*args: Any) -> Any:
-        args = list(args)
-        args[argnum] = jax.device_put(args[argnum], on_device)
-        out = list(step(*args))
-        out[out_index] = jax.device_put(out[out_index], on_host)
-        return tuple(out)
-
-    return jax.jit(wrapped)
