@@ -7,11 +7,14 @@ download and every run, on any number of processes, sees the same data.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+
+import jaxsync
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,6 +25,7 @@ class GPTConfig:
     n_layers: int = 2
     n_heads: int = 4
     dtype: str = "float32"
+    scan: bool = True  # stacked blocks run by lax.scan (False: a Python loop)
 
 
 class Block(nnx.Module):
@@ -42,7 +46,13 @@ class Block(nnx.Module):
 
 
 class GPT(nnx.Module):
-    """Decoder-only transformer with a tied input/output embedding."""
+    """Decoder-only transformer with a tied input/output embedding.
+
+    With ``cfg.scan`` (the default) the blocks are one ``Block`` whose params
+    carry a leading layer axis (``nnx.vmap`` at init), run by ``lax.scan`` with
+    remat per layer, as large JAX models are written: compile time stays flat in
+    depth, and jaxsync syncs each layer's gradient inside the backward scan.
+    """
 
     def __init__(self, cfg: GPTConfig, rngs: nnx.Rngs):
         dt = jnp.dtype(cfg.dtype)
@@ -51,16 +61,44 @@ class GPT(nnx.Module):
         self.pos = nnx.Param(
             (0.02 * jax.random.normal(rngs.params(), (cfg.seq_len, cfg.d_model))).astype(dt)
         )
-        self.blocks = nnx.List([Block(cfg, rngs) for _ in range(cfg.n_layers)])
+        if cfg.scan:
+
+            @nnx.split_rngs(splits=cfg.n_layers)
+            @nnx.vmap(in_axes=(0,), out_axes=0)
+            def stack(rngs: nnx.Rngs) -> Block:
+                return Block(cfg, rngs)
+
+            self.blocks = stack(rngs)
+        else:
+            self.blocks = nnx.List([Block(cfg, rngs) for _ in range(cfg.n_layers)])
         self.ln_f = nnx.LayerNorm(cfg.d_model, dtype=dt, param_dtype=dt, rngs=rngs)
 
-    def __call__(self, tokens: jax.Array) -> jax.Array:
+    def __call__(self, tokens: jax.Array, blocks: Any = None) -> jax.Array:
+        """Logits; ``blocks`` overrides the stacked blocks' params (a pure dict, or
+        jaxsync's view of them under in-loop sync)."""
         t = tokens.shape[-1]
         x = self.embed(tokens) + self.pos[...][:t]
         mask = nnx.make_causal_mask(tokens)
-        for block in self.blocks:
-            x = block(x, mask)
+        if self.cfg.scan:
+            x = self._scan_blocks(x, mask, blocks)
+        else:
+            for block in self.blocks:
+                x = block(x, mask)
         return self.embed.attend(self.ln_f(x)).astype(jnp.float32)
+
+    def _scan_blocks(self, x: jax.Array, mask: jax.Array, blocks: Any) -> jax.Array:
+        block_def, stacked = nnx.split(self.blocks)
+        if blocks is None:
+            blocks = nnx.to_pure_dict(stacked)
+
+        def body(x: jax.Array, layer: Any) -> tuple[jax.Array, None]:
+            layer = jaxsync.tap(layer)  # identity unless jaxsync syncs in the loop
+            state = jax.tree.map(lambda v: v, stacked)
+            nnx.replace_by_pure_dict(state, layer)
+            return nnx.merge(block_def, state)(x, mask), None
+
+        x, _ = jax.lax.scan(jax.checkpoint(body), x, blocks)
+        return x
 
 
 _SUBJECTS = [
@@ -125,8 +163,8 @@ class CharData:
         return self.tokens[idx]
 
 
-def loss_fn(model: GPT, tokens: jax.Array) -> jax.Array:
-    logits = model(tokens[:, :-1])
+def loss_fn(model: GPT, tokens: jax.Array, blocks: Any = None) -> jax.Array:
+    logits = model(tokens[:, :-1], blocks)
     targets = tokens[:, 1:]
     logp = jax.nn.log_softmax(logits, axis=-1)
     return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))

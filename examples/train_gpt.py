@@ -49,9 +49,18 @@ import gpt  # noqa: E402
 
 import jaxsync  # noqa: E402
 
+STACK = "blocks"  # the scanned (stacked) layer group of gpt.GPT
+
 AXIS = "data"
 DEFAULTS = {
-    "model": {"seq_len": 64, "d_model": 128, "n_layers": 2, "n_heads": 4, "dtype": "float32"},
+    "model": {
+        "seq_len": 64,
+        "d_model": 128,
+        "n_layers": 2,
+        "n_heads": 4,
+        "dtype": "float32",
+        "scan": True,
+    },
     "train": {
         "steps": 300,
         "global_batch": 64,
@@ -95,9 +104,17 @@ def load_config(path: str | None, overrides: argparse.Namespace) -> dict:
 
 
 def build_optimizer(cfg: dict, params) -> tuple:
+    """(tx, sync for value_and_grad, lr schedule). With scanned blocks the gradients
+    are reduced inside the backward scan (``sync``); otherwise after it."""
     t = cfg["train"]
+    stacked = STACK if cfg["model"].get("scan", True) else None
     schedule = optax.warmup_cosine_decay_schedule(0.0, t["lr"], t["warmup"], t["steps"])
-    labels = jax.tree.map(lambda p: "decay" if p.ndim > 1 else "no_decay", params)
+
+    def label(path, p):  # weight decay on matrices; a stacked leaf has one more axis
+        ndim = p.ndim - (jaxsync.param_name(path).startswith(STACK + ".") and stacked is not None)
+        return "decay" if ndim > 1 else "no_decay"
+
+    labels = jax.tree_util.tree_map_with_path(label, params)
     if t["optimizer"] == "zero":
         tx = jaxsync.distributed_optimizer(
             {
@@ -108,11 +125,17 @@ def build_optimizer(cfg: dict, params) -> tuple:
             labels=labels,
             clip_grad_norm=t["clip_grad_norm"],
             bucket_size=t["bucket_size"],
+            stacked=stacked,
         )
-        return tx, schedule
+        return tx, (tx if stacked else None), schedule
     if t["optimizer"] == "ddp":
+        sync = jaxsync.DataParallel(AXIS, bucket_size=t["bucket_size"], stacked=stacked or ())
         tx = optax.chain(
-            jaxsync.sync_grads(axis_name=AXIS, bucket_size=t["bucket_size"]),
+            *(
+                ()
+                if stacked
+                else (jaxsync.sync_grads(axis_name=AXIS, bucket_size=t["bucket_size"]),)
+            ),
             optax.clip_by_global_norm(t["clip_grad_norm"]),
             optax.multi_transform(
                 {
@@ -122,7 +145,7 @@ def build_optimizer(cfg: dict, params) -> tuple:
                 labels,
             ),
         )
-        return tx, schedule
+        return tx, (sync if stacked else None), schedule
     raise ValueError(f"train.optimizer must be 'zero' or 'ddp', got {t['optimizer']!r}.")
 
 
@@ -157,11 +180,16 @@ def main(argv: list[str] | None = None) -> dict:
     abstract_state = jax.tree.map(lambda x: x, state)
 
     def loss_fn(params, tokens):
+        # Under in-loop sync the stacked blocks arrive as jaxsync's view, which the
+        # scanned block body taps; the module itself is merged from plain arrays.
+        blocks = params.get(STACK) if model_cfg.scan else None
+        if isinstance(blocks, jaxsync.LayerStack):
+            params = {**params, STACK: blocks.params}
         st = jax.tree.map(lambda x: x, abstract_state)
         nnx.replace_by_pure_dict(st, params)
-        return gpt.loss_fn(nnx.merge(graphdef, st), tokens)
+        return gpt.loss_fn(nnx.merge(graphdef, st), tokens, blocks)
 
-    tx, schedule = build_optimizer(cfg, params)
+    tx, sync, schedule = build_optimizer(cfg, params)
     zero = t["optimizer"] == "zero"
     if zero:
         opt_state = tx.sharded_init(params, mesh)
@@ -184,9 +212,11 @@ def main(argv: list[str] | None = None) -> dict:
     )
     def train_step(params, opt_state, tokens):
         if micro > 1:
-            loss, grads = jaxsync.accumulate_grads(loss_fn, params, tokens, axis_name=AXIS)
+            loss, grads = jaxsync.accumulate_grads(
+                loss_fn, params, tokens, axis_name=AXIS, sync=sync
+            )
         else:
-            loss, grads = jaxsync.value_and_grad(loss_fn, axis_name=AXIS)(params, tokens)
+            loss, grads = jaxsync.value_and_grad(loss_fn, axis_name=AXIS, sync=sync)(params, tokens)
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, jax.lax.pmean(loss, AXIS)
 
