@@ -15,6 +15,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+FLOAT32_MAX = float(jnp.finfo(jnp.float32).max)
+
 
 @dataclasses.dataclass(frozen=True)
 class DynamicLossScale:
@@ -61,7 +63,7 @@ def _check_real(value: object, name: str, expected: str, ok: Callable[[float], b
         or not isinstance(value, numbers.Real)
         or not math.isfinite(float(value))
         or not ok(float(value))
-        or not math.isfinite(float(jnp.float32(value)))
+        or float(value) > FLOAT32_MAX
     ):
         raise ValueError(f"DynamicLossScale: `{name}` must be {expected}, got {value!r}.")
 
@@ -97,7 +99,7 @@ def check_loss_scale(loss_scale: LossScale) -> None:
             "`loss_scale` must be None (no scaling), a finite positive number (a constant "
             f"scale) or a jaxsync.DynamicLossScale, got {loss_scale!r}."
         )
-    if not math.isfinite(float(jnp.float32(loss_scale))):
+    if float(loss_scale) > FLOAT32_MAX:
         raise ValueError(f"`loss_scale` {loss_scale!r} overflows float32 (max ~3.4e38).")
 
 
