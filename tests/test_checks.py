@@ -76,3 +76,83 @@ def test_dynamic_loss_scale_never_grows_to_inf():
     assert float(s.scale) == 2.0**127
     s = update_loss_scale(cfg, s, jnp.asarray(False))
     assert float(s.scale) == 2.0**126
+
+
+# ---------------------------------------------------------- elementwise probe
+def _decay_mask(params):
+    return jax.tree.map(lambda p: p.ndim > 1, params)
+
+
+def test_small_weight_decay_with_mask_callable_rejected(mesh8):
+    """On flat shards the mask sees 1-D arrays and decays nothing; a decay of 3e-4
+    hid under the old probe's tolerance. A step of zero gradients leaves only the
+    decay, so tree and shards differ by all of it."""
+    params = mlp_params(jax.random.PRNGKey(0))
+    inner = optax.adamw(1e-3, weight_decay=3e-4, mask=_decay_mask)
+    tx = jaxsync.distributed_optimizer(inner, axis_name="data")
+    with pytest.raises(ValueError, match=r"not elementwise.*\['layer0'\]\['w'\] after a step of "
+                       "zero gradients.*pass `labels=`"):
+        tx.sharded_init(params, mesh8)
+
+
+def test_unfactored_looking_adafactor_rejected_on_real_shapes():
+    """Adafactor factors dims >= 128: the old probe (dims <= 3) never saw it."""
+    inner = optax.adafactor(1e-3, multiply_by_parameter_scale=False, clipping_threshold=None)
+    params = {"w": jax.ShapeDtypeStruct((128, 160), jnp.float32), "b": jnp.zeros(160)}
+    with pytest.raises(ValueError, match=r"not elementwise.*param \['w'\]"):
+        elementwise.check_elementwise(inner, params, "all params")
+    # Without a factored param it *is* elementwise, and the probe says so.
+    elementwise.check_elementwise(inner, {"w": jnp.zeros((8, 160)), "b": jnp.zeros(160)}, "all")
+
+
+@pytest.mark.parametrize(
+    "inner",
+    [
+        optax.sgd(0.1),
+        optax.sgd(0.05, momentum=0.9, nesterov=True),
+        optax.adam(1e-3),
+        optax.adamw(1e-3, weight_decay=0.1),
+        optax.lion(1e-4, weight_decay=1e-2),
+        optax.rmsprop(1e-3),
+        optax.adagrad(1e-2),
+        optax.nadam(1e-3),
+        optax.adam(optax.cosine_decay_schedule(1e-3, 10)),
+        optax.chain(optax.clip(1.0), optax.adam(1e-3)),  # elementwise clipping is fine
+    ],
+    ids=["sgd", "nesterov", "adam", "adamw", "lion", "rmsprop", "adagrad", "nadam", "sched", "clip"],
+)
+def test_elementwise_optimizers_accepted(inner):
+    elementwise.check_elementwise(inner, mlp_params(jax.random.PRNGKey(0)), "all params")
+
+
+@pytest.mark.parametrize(
+    "inner",
+    [
+        optax.lamb(1e-3),
+        optax.lars(1e-3),
+        optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3)),
+        optax.adamw(1e-3, weight_decay=1e-4, mask={"b": False, "w": True}),
+    ],
+    ids=["lamb", "lars", "clip_by_global_norm", "mask_pytree"],
+)
+def test_non_elementwise_rejected(inner):
+    with pytest.raises(ValueError, match="not elementwise"):
+        elementwise.check_elementwise(inner, small_params(), "all params")
+
+
+def test_labels_buffer_probed_as_a_list_of_its_params():
+    """Per-label buffers are probed on the list of their params (what a label's
+    transformation sees there): adamw without a mask passes."""
+    shapes = [jax.ShapeDtypeStruct(s, jnp.float32) for s in [(12, 33), (33, 17)]]
+    elementwise.check_elementwise(optax.adamw(1e-3, weight_decay=3e-4), shapes, "label 'decay'")
+
+
+def test_probe_cost_is_capped_for_huge_models():
+    shapes = ((128_000, 8192),) + ((8192, 8192),) * 4 + ((8192,),) * 8
+    capped = elementwise.probe_shapes(shapes)
+    assert sum(int(np.prod(s)) for s in capped) <= elementwise.PROBE_ELEMENTS
+    # the structure, ranks and "large dimension" class survive the cap
+    assert [len(s) for s in capped] == [len(s) for s in shapes]
+    assert all(d >= elementwise.MIN_PROBE_DIM for s in capped for d in s)
+    small = ((12, 33), (33,))
+    assert elementwise.probe_shapes(small) == small  # real shapes below the budget
