@@ -3,6 +3,7 @@
 from jaxsync._src.axes import normalize_axes as normalize_axes
 from jaxsync._src.checkpoint import Checkpointer as Checkpointer
 from jaxsync._src.checkpoint import Restored as Restored
+from jaxsync._src.checks import nonfinite_report as nonfinite_report
 from jaxsync._src.collectives import bucket_all_gather as bucket_all_gather
 from jaxsync._src.collectives import bucket_all_reduce as bucket_all_reduce
 from jaxsync._src.collectives import bucket_reduce_scatter as bucket_reduce_scatter
@@ -86,6 +87,7 @@ __all__ = [
     "initialize",
     "lowered_collective_counts",
     "nonfinite_grads",
+    "nonfinite_report",
     "offload",
     "param_name",
     "normalize_axes",

@@ -27,11 +27,12 @@ from .axes import (
     rank,
     to_varying,
 )
+from .checks import check_optimizer_args, check_update, next_metrics
 from .collectives import bucket_all_gather, bucket_reduce_scatter
 from .finalize import SyncRules
 from .layout import Layout, check_bucket_size
 from .loss_scale import LossScale, check_loss_scale, update_loss_scale
-from .optimizer_state import DistributedOptimizerState, StepMetrics
+from .optimizer_state import DistributedOptimizerState
 from .plan import Labels, Plan
 from .portable import convert, from_portable, portable_fn, signature
 from .specs import param_specs_of
@@ -198,9 +199,8 @@ def distributed_optimizer(
             "`labels` needs `inner` to be a mapping label -> transformation; got a single "
             "transformation."
         )
-    if clip_grad_norm is not None and not clip_grad_norm > 0:
-        raise ValueError(f"`clip_grad_norm` must be positive or None, got {clip_grad_norm!r}.")
-    check_bucket_size(bucket_size)
+    clip_grad_norm = check_optimizer_args(clip_grad_norm, reduce_dtype, check_elementwise, rules)
+    bucket_size = check_bucket_size(bucket_size)
     check_loss_scale(loss_scale)
     cfg = Plan(
         inner,
@@ -217,6 +217,7 @@ def distributed_optimizer(
     def init_fn(params: PyTree) -> DistributedOptimizerState:
         bound_axes(axes, "distributed_optimizer.init")
         layout = cfg.layout_inside(params)
+        check_update(None, None, params, layout, cfg, "distributed_optimizer.init")
         cfg.check(params, layout)
         return cfg.init_for_rank(params, layout, lambda bi: rank(layout.buffers[bi].key.axes))
 
@@ -229,6 +230,7 @@ def distributed_optimizer(
         bound_axes(axes, "distributed_optimizer.update")
         layout = cfg.layout_inside(params)
         layout.check_tree(grads, "grads")
+        check_update(grads, state, params, layout, cfg, "distributed_optimizer.update")
         inv_scale = 1.0 / state.loss_scale.scale
         shards = bucket_reduce_scatter(
             grads, layout, axis_name=axes, reduce_dtype=reduce_dtype, scale=inv_scale
@@ -294,17 +296,11 @@ def distributed_optimizer(
             lambda new, p: new.astype(jnp.float32) - p.astype(jnp.float32), gathered, params
         )
 
-        skipped = jnp.logical_not(finite)
         new_state = DistributedOptimizerState(
             master=tuple(new_master),
             inner_state=tuple(new_inner),
             loss_scale=update_loss_scale(loss_scale, state.loss_scale, finite),
-            metrics=StepMetrics(
-                grad_norm=grad_norm,
-                num_zeros=num_zeros,
-                skipped=skipped,
-                skipped_steps=state.metrics.skipped_steps + skipped.astype(jnp.int32),
-            ),
+            metrics=next_metrics(state.metrics, grads, finite, grad_norm, num_zeros),
         )
         return updates, new_state
 
