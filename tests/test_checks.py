@@ -557,3 +557,55 @@ def test_broadcast_params_src_out_of_range(mesh8):
     # rank 8 does not exist: every param would have been zeroed
     with pytest.raises(ValueError, match=r"`src` must be a rank in \[0, 8\).*got 8"):
         bcast.trace(small_params())
+
+
+# --------------------------------------------------------------------- FSDP
+def fsdp_setup(mesh):
+    params = {"a": {"w": jnp.ones((8, 4))}, "b": {"w": jnp.ones((4, 4)), "bias": jnp.zeros(4)}}
+    fs = jaxsync.fully_shard(params, axis_name="data", units=["a", "b"], mesh=mesh)
+    return params, fs
+
+
+@pytest.mark.parametrize(
+    "tx, match",
+    [
+        (
+            optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3)),
+            r"FullyShard.init_optimizer is not elementwise.*jaxsync.clip_by_global_norm",
+        ),
+        (optax.lamb(1e-3), "FullyShard.init_optimizer is not elementwise"),
+    ],
+    ids=["clip_by_global_norm", "lamb"],
+)
+def test_fsdp_optimizer_must_be_elementwise(mesh8, tx, match):
+    params, fs = fsdp_setup(mesh8)
+    shards = fs.shard(params, mesh8)
+    with pytest.raises(ValueError, match=match):
+        fs.init_optimizer(tx, shards, mesh8)
+    fs.init_optimizer(tx, shards, mesh8, check_elementwise=False)  # at your own risk
+
+
+def test_fsdp_sharded_clip_passes_the_probe(mesh8):
+    """jaxsync.clip_by_global_norm sums over the shards: the probe runs the ranks
+    under vmap with the axis name, so it sees the same norm as on the tree."""
+    params, fs = fsdp_setup(mesh8)
+    tx = optax.chain(jaxsync.clip_by_global_norm(1.0, axis_name="data"), optax.adam(1e-3))
+    fs.init_optimizer(tx, fs.shard(params, mesh8), mesh8)
+
+
+def test_fsdp_bad_arguments(mesh8):
+    params, fs = fsdp_setup(mesh8)
+    with pytest.raises(
+        ValueError, match=r"unknown unit 'c'; this FullyShard has units \['a', 'b'\]"
+    ):
+        fs.apply({"a": None, "b": None}, "c", lambda p, x: x, 1.0)
+    with pytest.raises(ValueError, match=r"`shards` has no entry for unit 'b'"):
+        fs.apply({"a": None}, "b", lambda p, x: x, 1.0)
+    with pytest.raises(TypeError, match="`MixedPrecision.param_dtype` must be a floating dtype"):
+        jaxsync.MixedPrecision(param_dtype=jnp.int8)
+    with pytest.raises(ValueError, match=r"\['a'\] appear more than once"):
+        jaxsync.fully_shard(params, axis_name="data", units=["a", "a", "b"], mesh=mesh8)
+    with pytest.raises(ValueError, match="`max_norm` must be a finite positive number"):
+        jaxsync.clip_by_global_norm(-1.0, axis_name="data")
+    with pytest.raises(ValueError, match=r"`microbatches=3` must divide .* shape \(4, 8\)"):
+        fs.value_and_grad(lambda s, b: 0.0, {}, jnp.ones((4, 8)), microbatches=3)

@@ -25,6 +25,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from .axes import AxisName, axes_size, bound_axes, mesh_axes_size, normalize_axes, to_varying
+from .checks import check_bool, check_float_dtype, check_positive
+from .elementwise import check_elementwise as elementwise
 from .layout import BufferKey, Layout, build_layout
 from .portable import convert, param_name
 
@@ -46,6 +48,13 @@ class MixedPrecision:
     reduce_dtype: Any = jnp.float32
     output_dtype: Any = None
     cast_forward_inputs: bool = True
+
+    def __post_init__(self) -> None:
+        # An integer dtype here would truncate params or gradients silently.
+        check_float_dtype(self.param_dtype, "MixedPrecision.param_dtype")
+        check_float_dtype(self.reduce_dtype, "MixedPrecision.reduce_dtype")
+        check_float_dtype(self.output_dtype, "MixedPrecision.output_dtype", allow_none=True)
+        check_bool(self.cast_forward_inputs, "MixedPrecision.cast_forward_inputs")
 
 
 def _cast_floats(tree: PyTree, dtype: Any) -> PyTree:
@@ -120,12 +129,26 @@ class FullyShard:
                 key_fn=lambda _p, _x: BufferKey(jnp.dtype(policy.param_dtype).name, self.axes),
             )
         self._names = tuple(names)
+        self._shapes = tuple(tuple(int(d) for d in leaf.shape) for _, leaf in leaves)
         self.num_shards = num_shards
 
     # --------------------------------------------------------------- layout
     def layout(self, unit: str) -> Layout:
         """The unit's flat-buffer layout (one buffer, one bucket, padded for sharding)."""
+        self._check_unit(unit, "FullyShard.layout")
         return self._sub[unit]
+
+    def _check_unit(self, unit: Any, fn: str, shards: Any = None) -> None:
+        if unit not in self._sub:
+            raise ValueError(
+                f"{fn}: unknown unit {unit!r}; this FullyShard has units {list(self.units)}."
+            )
+        if shards is not None and (not isinstance(shards, dict) or unit not in shards):
+            have = sorted(shards) if isinstance(shards, dict) else type(shards).__name__
+            raise ValueError(
+                f"{fn}: `shards` has no entry for unit {unit!r} (it has {have}); pass the "
+                "dict {unit: shard} from `fs.shard` (inside shard_map: the step's argument)."
+            )
 
     def _unit_params(self, params: PyTree, unit: str) -> dict[str, Any]:
         leaves = jax.tree.leaves(params)
@@ -157,14 +180,43 @@ class FullyShard:
         return convert(build, (params,), mesh, shardings, key=("fsdp.shard", self, mesh))
 
     def init_optimizer(
-        self, tx: optax.GradientTransformation, shards: dict[str, jax.Array], mesh: Mesh
+        self,
+        tx: optax.GradientTransformation,
+        shards: dict[str, jax.Array],
+        mesh: Mesh,
+        *,
+        check_elementwise: bool = True,
     ) -> tuple[Any, Any]:
         """``tx.init`` on the shards, per device; returns (global state, its specs).
 
         Shard-shaped state leaves (moments) are sharded like the shards; scalars
         (Adam's count) are replicated. Any elementwise optax transformation works
         on the shards; for clipping use :func:`jaxsync.clip_by_global_norm`.
+        ``check_elementwise`` probes ``tx`` once (on a tree shaped like the
+        params against the same numbers as flat unit shards) and rejects what
+        would train differently on shards (``optax.clip_by_global_norm``, lamb,
+        lars, adafactor, masks by path or shape).
         """
+        if not hasattr(tx, "init") or not hasattr(tx, "update"):
+            raise TypeError(f"`tx` must be an optax GradientTransformation, got {tx!r}.")
+        if check_bool(check_elementwise, "check_elementwise"):
+            probe = jax.tree.unflatten(
+                self._treedef, [jax.ShapeDtypeStruct(s, jnp.float32) for s in self._shapes]
+            )
+            members = tuple((u, self._members[u]) for u in self.units)
+            elementwise(
+                tx,
+                probe,
+                "FullyShard.init_optimizer",
+                units=members,
+                axes=self.axes + self.replicate_axes,
+            )
+        missing = sorted(set(self.units) - set(shards)) if isinstance(shards, dict) else None
+        if missing is None or missing:
+            raise ValueError(
+                "`shards` must be the dict {unit: shard} from `fs.shard(params, mesh)`"
+                + (f"; it lacks units {missing}." if missing else f", got {type(shards).__name__}.")
+            )
         specs = self.specs()
         local = {
             u: jax.ShapeDtypeStruct((self._sub[u].shard_size(0),), jnp.float32) for u in self.units
@@ -202,6 +254,7 @@ class FullyShard:
         (averaged over all data-parallel ranks, all-reduced over the replica axes
         under hybrid sharding) into the shard.
         """
+        self._check_unit(unit, "FullyShard.gather", shards)
         axes = bound_axes(self.axes, "FullyShard.gather")
         rep = bound_axes(self.replicate_axes, "FullyShard.gather") if self.replicate_axes else ()
         layout = self._sub[unit]
@@ -224,6 +277,7 @@ class FullyShard:
         recomputes the cheap elementwise work. If ``shards[unit]`` already holds
         gathered params (a dict), they are used as is.
         """
+        self._check_unit(unit, "FullyShard.apply", shards)
         if self.policy.cast_forward_inputs:
             inputs = _cast_floats(inputs, self.policy.param_dtype)
 
@@ -271,6 +325,7 @@ class FullyShard:
         ``False`` gathers all units once, accumulates full local gradients and
         reduce-scatters once (less communication, more memory).
         """
+        check_microbatches(microbatches, batch)
         if microbatches == 1:
             return jax.value_and_grad(loss_fn)(shards, batch)
         mbs = jax.tree.map(lambda x: x.reshape(microbatches, -1, *x.shape[1:]), batch)
@@ -293,6 +348,20 @@ class FullyShard:
         if not sync_grad_accum:
             grads = self.reduce_gathered(grads)
         return loss, grads
+
+
+def check_microbatches(microbatches: Any, batch: Any) -> None:
+    """``microbatches``: a positive int dividing every batch leaf's leading axis."""
+    if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
+        raise ValueError(f"`microbatches` must be a positive int, got {microbatches!r}.")
+    for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]:
+        rows = x.shape[0] if getattr(x, "ndim", 0) else None
+        if microbatches > 1 and (rows is None or rows % microbatches):
+            raise ValueError(
+                f"`microbatches={microbatches}` must divide the leading (batch) axis of every "
+                f"batch leaf; leaf {jax.tree_util.keystr(path)} has shape "
+                f"{tuple(getattr(x, 'shape', ()))} on this device."
+            )
 
 
 def _reduce(flat: jax.Array, axes: tuple[str, ...], replicate: tuple[str, ...]) -> jax.Array:
@@ -360,8 +429,20 @@ def fully_shard(
     n = mesh_axes_size(mesh, axis_name, "jaxsync.fully_shard")
     if replicate_axis is not None:
         mesh_axes_size(mesh, replicate_axis, "jaxsync.fully_shard")
+    if isinstance(units, str):
+        raise TypeError(f"`units` must be a list of name prefixes, got the string {units!r}.")
     if not units:
         raise ValueError("`units` is empty; name at least one unit (a param-name prefix).")
+    bad = [u for u in units if not isinstance(u, str)]
+    dup = sorted({u for u in units if list(units).count(u) > 1})
+    if bad or dup:
+        raise ValueError(
+            f"`units` must be distinct param-name prefixes (strings); got non-strings {bad}"
+            if bad
+            else f"`units` must be distinct param-name prefixes; {dup} appear more than once."
+        )
+    if policy is not None and not isinstance(policy, MixedPrecision):
+        raise TypeError(f"`policy` must be a jaxsync.MixedPrecision or None, got {policy!r}.")
     return FullyShard(
         params,
         axis_name=axis_name,
@@ -382,6 +463,7 @@ def clip_by_global_norm(max_norm: float, *, axis_name: AxisName) -> optax.Gradie
     not count.
     """
     axes = normalize_axes(axis_name)
+    max_norm = check_positive(max_norm, "max_norm", allow_none=False)
 
     def init_fn(params: PyTree) -> optax.EmptyState:
         del params
@@ -389,7 +471,7 @@ def clip_by_global_norm(max_norm: float, *, axis_name: AxisName) -> optax.Gradie
 
     def update_fn(updates: PyTree, state: Any, params: PyTree = None) -> tuple[PyTree, Any]:
         del params
-        bound_axes(axes, "jaxsync.clip_by_global_norm")
+        bound_axes(axes, "jaxsync.clip_by_global_norm", allow_vmap=True)
         sq = sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(updates))
         norm = jnp.sqrt(jax.lax.psum(sq, axes))
         keep = norm < max_norm
