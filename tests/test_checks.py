@@ -503,6 +503,8 @@ def test_other_optimizer_arguments():
         jaxsync.distributed_optimizer(optax.sgd(0.1), axis_name="data", check_elementwise="no")
     with pytest.raises(TypeError, match="`reduce_dtype` must be a floating dtype"):
         jaxsync.sync_grads(axis_name="data", reduce_dtype=jnp.int8)
+    with pytest.raises(ValueError, match="`bucket_size`"):
+        jaxsync.sync_grads(axis_name="data", bucket_size=0)  # at construction, not in the step
 
 
 def test_rules_as_a_plain_dict_point_to_sync_rules():
@@ -609,3 +611,16 @@ def test_fsdp_bad_arguments(mesh8):
         jaxsync.clip_by_global_norm(-1.0, axis_name="data")
     with pytest.raises(ValueError, match=r"`microbatches=3` must divide .* shape \(4, 8\)"):
         fs.value_and_grad(lambda s, b: 0.0, {}, jnp.ones((4, 8)), microbatches=3)
+    with pytest.raises(TypeError, match="`reshard_after_forward` must be True or False"):
+        jaxsync.fully_shard(
+            params, axis_name="data", units=["a", "b"], mesh=mesh8, reshard_after_forward="no"
+        )
+
+
+def test_fsdp_shard_rejects_params_of_another_structure(mesh8):
+    """Units take their params by leaf position: renamed params of the same shapes
+    would have been sharded under the wrong names."""
+    params, fs = fsdp_setup(mesh8)
+    renamed = {"a": params["a"], "c": params["b"]}
+    with pytest.raises(ValueError, match="FullyShard.shard: `params` does not have the structure"):
+        fs.shard(renamed, mesh8)

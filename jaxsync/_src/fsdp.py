@@ -167,6 +167,15 @@ class FullyShard:
                 f"this FullyShard was built for {self.num_shards} shards; "
                 f"axis {self.axes} of the mesh has {n}."
             )
+        # Units pick their params by leaf position: another tree with as many
+        # leaves of the same shapes would be sharded under the wrong names.
+        treedef = jax.tree.structure(params)
+        if treedef != self._treedef:
+            raise ValueError(
+                "FullyShard.shard: `params` does not have the structure this FullyShard "
+                f"was built for.\n  expected: {self._treedef}\n  received: {treedef}\n"
+                "Pass the params given to `jaxsync.fully_shard`."
+            )
 
         def build(params: PyTree) -> dict[str, jax.Array]:
             out = {}
@@ -443,6 +452,7 @@ def fully_shard(
         )
     if policy is not None and not isinstance(policy, MixedPrecision):
         raise TypeError(f"`policy` must be a jaxsync.MixedPrecision or None, got {policy!r}.")
+    check_bool(reshard_after_forward, "reshard_after_forward")
     return FullyShard(
         params,
         axis_name=axis_name,

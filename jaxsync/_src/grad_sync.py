@@ -22,7 +22,7 @@ from .axes import AxisName, axes_size, bound_axes, normalize_axes, rank, to_vary
 from .checks import check_bool, check_float_dtype, check_local_grads, check_local_loss, check_rules
 from .collectives import bucket_all_reduce
 from .finalize import SyncRules, sync_keys
-from .layout import BufferKey, Layout, build_layout
+from .layout import BufferKey, Layout, build_layout, check_bucket_size
 
 PyTree = Any
 
@@ -294,6 +294,7 @@ def sync_grads(
     Reduced gradients keep their dtype; the reduction runs in ``reduce_dtype``.
     """
     axes = normalize_axes(axis_name)
+    bucket_size = check_bucket_size(bucket_size)
     check_rules(rules)
     check_float_dtype(reduce_dtype, "reduce_dtype", allow_none=True)
     check_bool(average, "average")
