@@ -184,5 +184,6 @@ class Plan:
                 jax.tree.map(spec_for(bi), s) for bi, s in enumerate(shapes.inner_state)
             ),
             loss_scale=jax.tree.map(lambda _: P(), shapes.loss_scale),
-            metrics=jax.tree.map(lambda _: P(), shapes.metrics),
+            # P(None, ...) per dimension: what the step returns for a replicated array
+            metrics=jax.tree.map(lambda x: P(*(None,) * x.ndim), shapes.metrics),
         )
