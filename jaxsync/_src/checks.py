@@ -16,9 +16,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from .axes import to_varying, varying_axes
+from .finalize import SyncRules
 from .layout import Layout
+from .optimizer_state import DistributedOptimizerState, StepMetrics
+from .portable import param_name
 
 PyTree = Any
 
@@ -154,8 +158,6 @@ def check_state(state: Any, layout: Layout, expected: Any, fn: str) -> None:
       expected: ``jax.eval_shape`` of the state this layout gives.
       fn: names the caller in the message.
     """
-    from .optimizer_state import DistributedOptimizerState
-
     if not isinstance(state, DistributedOptimizerState):
         raise TypeError(
             f"{fn}: `state` must be the DistributedOptimizerState from this optimizer's "
@@ -177,6 +179,11 @@ def check_state(state: Any, layout: Layout, expected: Any, fn: str) -> None:
                 f"layout for these params and bucket_size={layout.bucket_size} has "
                 f"{e.shape[0]} ({_key_text(layout.buffers[bi].key)})"
             )
+    if len(state.inner_state) != len(expected.inner_state):
+        fail(
+            f"state.inner_state has {len(state.inner_state)} buffers, the layout has "
+            f"{len(expected.inner_state)}"
+        )
     for bi, (s, e) in enumerate(zip(state.inner_state, expected.inner_state, strict=True)):
         got, want = jax.tree.structure(s), jax.tree.structure(e)
         if got != want:
@@ -205,8 +212,6 @@ def _key_text(key: Any) -> str:
 
 # ----------------------------------------------------------- argument checks
 def check_rules(rules: Any) -> None:
-    from .finalize import SyncRules
-
     if rules is not None and not isinstance(rules, SyncRules):
         raise TypeError(NOT_SYNC_RULES.format(kind=type(rules).__name__))
 
@@ -257,8 +262,6 @@ def check_param_leaves(params: PyTree, fn: str) -> None:
 
 def check_param_specs(params: PyTree, specs: PyTree, mesh: Any) -> None:
     """``param_specs``: one PartitionSpec per param, naming mesh axes, dividing shapes."""
-    from jax.sharding import PartitionSpec as P
-
     is_spec = lambda x: isinstance(x, P)  # noqa: E731
     want = jax.tree.structure(params)
     got = jax.tree.structure(specs, is_leaf=is_spec)
@@ -312,8 +315,6 @@ def next_metrics(
     on other steps) finds which params had non-finite *local* gradients and on
     which devices: a ``psum`` and a ``pmin`` of one int per param over the mesh.
     """
-    from .optimizer_state import StepMetrics
-
     skipped = jnp.logical_not(finite)
     record = skipped & (prev.consecutive_skips == 0)
     # One small reduction per leaf, computed where the grads are made; the
@@ -363,8 +364,6 @@ def nonfinite_report(state: Any, params: PyTree, mesh: Any = None) -> str:
       >>> if msg := jaxsync.nonfinite_report(opt_state, params, mesh):
       ...     print(msg)
     """
-    from .portable import param_name
-
     metrics = getattr(state, "metrics", state)
     m = jax.device_get(metrics)
     if int(m.skipped_steps) == 0:
