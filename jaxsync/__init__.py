@@ -3,6 +3,7 @@
 from jaxsync._src.axes import normalize_axes as normalize_axes
 from jaxsync._src.checkpoint import Checkpointer as Checkpointer
 from jaxsync._src.checkpoint import Restored as Restored
+from jaxsync._src.checks import nonfinite_report as nonfinite_report
 from jaxsync._src.clip import clip_by_global_norm as clip_by_global_norm
 from jaxsync._src.collectives import bucket_all_gather as bucket_all_gather
 from jaxsync._src.collectives import bucket_all_reduce as bucket_all_reduce
@@ -98,6 +99,7 @@ __all__ = [
     "initialize",
     "lowered_collective_counts",
     "nonfinite_grads",
+    "nonfinite_report",
     "offload",
     "overlap_report",
     "param_name",

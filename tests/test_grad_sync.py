@@ -153,8 +153,7 @@ def _compiled_step_text(mesh, bucket_size, local=True):
         if local:
             _, grads = jaxsync.value_and_grad(mlp_loss, axis_name="data")(params, batch)
             return jaxsync.all_reduce_grads(grads, axis_name="data", bucket_size=bucket_size)
-        grads = jax.grad(mlp_loss)(params, batch)  # already all-reduced by JAX
-        return jaxsync.all_reduce_grads(grads, axis_name="data", bucket_size=bucket_size)
+        return jax.grad(mlp_loss)(params, batch)  # already all-reduced by JAX
 
     return step.lower(params, batch)
 

@@ -168,9 +168,10 @@ def test_memory_is_the_zero_figure(mesh8):
     state = tx.sharded_init(params, mesh8)
     layout = tx.layout(params, mesh8)
     shard = layout.shard_size(0)
-    scalars = 4 + 4 + 4 + 4 + 4 + 1 + 4 + 4  # count, scale, 2 trackers, 4 metrics
+    scalars = 4 + 4 + 4 + 4 + 4 + 1 + 4 + 4 + 4  # count, scale, 2 trackers, 5 metrics
+    per_param = 2 * 4  # metrics: non-finite device count and first device, per param
     per_device = _state_bytes_on_device(state, jax.devices()[0])
-    assert per_device == 12 * shard + scalars
+    assert per_device == 12 * shard + scalars + per_param * len(params)
     # shard = ceil(P / N) + this rank's share of the padding
     buf = layout.buffers[0]
     padding = buf.size - buf.used
@@ -221,9 +222,11 @@ def test_compiled_step_collectives_per_bucket(mesh8):
     lowered = step.lower(params, state, jaxsync.shard_batch((xs[0], ys[0]), mesh8))
     k = layout.num_buckets
     assert k == 3
-    # k reduce-scatters, k all-gathers, one all-reduce for (norm, zero count); nothing else
+    # k reduce-scatters, k all-gathers, one all-reduce for (norm, zero count), and two
+    # inside the conditional that only runs on the first of a run of skipped steps
+    # (which params and devices had non-finite local grads); nothing else
     expect = {
-        "all-reduce": 1,
+        "all-reduce": 3,
         "reduce-scatter": k,
         "all-gather": k,
         "collective-permute": 0,
@@ -233,12 +236,13 @@ def test_compiled_step_collectives_per_bucket(mesh8):
     compiled_text = lowered.compile().as_text()
     assert count_collectives(compiled_text) == expect
     # bytes: each rank receives its fp32 slice of every bucket, then gathers the
-    # fp32 updates of the whole buffer; the norm all-reduce moves two floats.
+    # fp32 updates of the whole buffer; the norm all-reduce moves two floats, the
+    # conditional ones one int32 per param each.
     stats = jaxsync.collective_stats(compiled_text)
     size = layout.buffers[0].size
     assert stats["reduce-scatter"].bytes == size // 8 * 4
     assert stats["all-gather"].bytes == size * 4
-    assert stats["all-reduce"].bytes == 8
+    assert stats["all-reduce"].bytes == 8 + 2 * 4 * len(jax.tree.leaves(params))
 
 
 def test_fp16_loss_scale_skips_nonfinite_step_and_backs_off(mesh8):

@@ -253,8 +253,9 @@ def test_stacked_state_is_the_zero_figure(mesh8):
         if s.device == dev
     )
     n_counts = len(layout.buffers)  # Adam's count, one per buffer
-    scalars = 4 * n_counts + 4 + 4 + 4 + 4 + 1 + 4 + 4
-    assert per_device == 12 * elems + scalars
+    scalars = 4 * n_counts + 4 + 4 + 4 + 4 + 1 + 4 + 4 + 4  # + scale, metrics
+    per_param = 2 * 4 * len(layout.slots)  # non-finite device count and first device
+    assert per_device == 12 * elems + scalars + per_param
     n_params = sum(p.size for p in jax.tree.leaves(params))
     padding = sum(max(b.layers, 1) * (b.size - b.used) for b in layout.buffers)
     assert 8 * elems == n_params + padding
@@ -299,3 +300,16 @@ def test_forgotten_tap_is_a_clear_error(mesh8):
     batch = jax.device_put((batch[0][0], batch[1][0]), NamedSharding(mesh8, P("data")))
     with pytest.raises(TypeError, match=r"jaxsync\.tap\(p\)"):
         jax.jit(f)(params, batch)
+
+
+def test_nonfinite_local_grads_are_named_under_in_loop_sync(mesh8):
+    """A NaN in rank 3's data: the step is skipped, and the report names the stacked
+    params and the device, read from the taps' flags before the in-loop reduction."""
+    params = scanned_params(jax.random.PRNGKey(0), layers=LAYERS)
+    xs, ys = scanned_batches(jax.random.PRNGKey(1), 1, BATCH)
+    xs = xs.at[0, 3 * (BATCH // 8)].set(jnp.nan)  # a row of rank 3's shard
+    got, state, tx, *_ = _train(mesh8, "zero", params, (xs, ys))
+    assert bool(state.metrics.skipped) and int(state.metrics.consecutive_skips) == 1
+    jax.tree.map(np.testing.assert_array_equal, params, got)  # the step changed nothing
+    report = jaxsync.nonfinite_report(state, params, mesh8)
+    assert "blocks.w1" in report and "inp.w" in report and "device 3" in report, report

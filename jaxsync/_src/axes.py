@@ -26,7 +26,15 @@ UNKNOWN_AXIS = (
 
 def normalize_axes(axis_name: AxisName) -> tuple[str, ...]:
     """``"data"`` -> ``("data",)``; tuples pass through; rejects empty names."""
-    axes = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
+    if isinstance(axis_name, str):
+        axes = (axis_name,)
+    elif isinstance(axis_name, tuple | list):
+        axes = tuple(axis_name)
+    else:
+        raise TypeError(
+            f"`axis_name` must be a mesh axis name (a string such as 'data') or a tuple of "
+            f"them, got {axis_name!r} ({type(axis_name).__name__})."
+        )
     if not axes or not all(isinstance(a, str) and a for a in axes):
         raise ValueError(
             f"`axis_name` must be a mesh axis name or a non-empty tuple of them, got {axis_name!r}."
@@ -36,10 +44,14 @@ def normalize_axes(axis_name: AxisName) -> tuple[str, ...]:
     return axes
 
 
-def bound_axes(axis_name: AxisName, fn: str) -> tuple[str, ...]:
-    """Normalised axes, after checking they are bound by the enclosing shard_map."""
+def bound_axes(axis_name: AxisName, fn: str, *, allow_vmap: bool = False) -> tuple[str, ...]:
+    """Normalised axes, after checking they are bound by the enclosing shard_map
+    (or, with ``allow_vmap``, by an enclosing ``jax.vmap(..., axis_name=...)``, as
+    the elementwise probe runs sharded transformations)."""
     axes = normalize_axes(axis_name)
     mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty and allow_vmap and all(_vmap_bound(a) for a in axes):
+        return axes
     if mesh.empty:
         raise ValueError(NOT_IN_SHARD_MAP.format(fn=fn, axes=axes))
     missing = [a for a in axes if a not in mesh.axis_names]
@@ -50,6 +62,14 @@ def bound_axes(axis_name: AxisName, fn: str) -> tuple[str, ...]:
             )
         )
     return axes
+
+
+def _vmap_bound(axis: str) -> bool:
+    try:
+        jax.lax.axis_size(axis)
+    except NameError:
+        return False
+    return True
 
 
 def axes_size(axes: tuple[str, ...]) -> int:

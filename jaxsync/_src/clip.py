@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import optax
 
 from .axes import AxisName, bound_axes, normalize_axes
+from .checks import check_positive
 
 PyTree = Any
 
@@ -21,6 +22,7 @@ def clip_by_global_norm(max_norm: float, *, axis_name: AxisName) -> optax.Gradie
     not count.
     """
     axes = normalize_axes(axis_name)
+    max_norm = check_positive(max_norm, "max_norm", allow_none=False)
 
     def init_fn(params: PyTree) -> optax.EmptyState:
         del params
@@ -28,7 +30,7 @@ def clip_by_global_norm(max_norm: float, *, axis_name: AxisName) -> optax.Gradie
 
     def update_fn(updates: PyTree, state: Any, params: PyTree = None) -> tuple[PyTree, Any]:
         del params
-        bound_axes(axes, "jaxsync.clip_by_global_norm")
+        bound_axes(axes, "jaxsync.clip_by_global_norm", allow_vmap=True)
         sq = sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(updates))
         norm = jnp.sqrt(jax.lax.psum(sq, axes))
         keep = norm < max_norm

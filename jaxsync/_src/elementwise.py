@@ -1,18 +1,27 @@
 """Checks that an optax transformation can run on flat shards without changing.
 
-The distributed optimizer runs the inner transformation on a contiguous slice
-of a flat buffer that ignores parameter boundaries. That is only correct for
-transformations that treat every element on its own (sgd, momentum, adam,
-adamw with a scalar decay, lion, rmsprop...). Anything that looks at a whole
-parameter or the whole tree (lamb, lars, adafactor, per-parameter masks,
-``clip_by_global_norm``, ``scale_by_trust_ratio``) would train silently wrong,
-so we probe: run the transformation on a small tree shaped like the params and
-on the same numbers flattened and cut into two shards, and compare.
+The distributed optimizer (and the fully sharded units) run the inner
+transformation on contiguous slices of flat buffers that ignore parameter
+boundaries. That is only correct for transformations that treat every element
+on its own (sgd, momentum, adam, adamw with a scalar decay, lion, rmsprop...).
+Anything that looks at a whole parameter or the whole tree (lamb, lars,
+adafactor's factored moments, masks that depend on a param's path or shape,
+``clip_by_global_norm``, ``scale_by_trust_ratio``) would train silently wrong.
+
+So we probe, once per (transformation, tree of shapes): run it on random
+params of the *real* shapes and structure, and on the same numbers flattened
+and cut into uneven shards, for a few steps, and compare the updates to within
+two ulps. The steps are chosen so nothing hides: a step of zero gradients (the
+only update left is weight decay and the like, which a wrong mask then shows as
+zero against non-zero), then steps whose gradients differ by orders of magnitude
+between leaves (global-norm clipping and trust ratios kick in). Elementwise
+transformations give the same bits either way.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any
 
 import jax
@@ -23,83 +32,265 @@ import optax
 NOT_ELEMENTWISE = (
     "the optimizer for {what} is not elementwise: run on flat shards that ignore "
     "parameter boundaries it gives different updates than on the parameter tree "
-    "({detail}). The distributed optimizer can only shard transformations that "
+    "({detail}). Sharded optimizers can only run transformations that "
     "treat each element on its own (sgd, momentum, adam, adamw, lion, rmsprop, "
-    "...). For global-norm clipping pass `clip_grad_norm=` instead of "
+    "adagrad, ...). For global-norm clipping pass `clip_grad_norm=` (FSDP: "
+    "`jaxsync.clip_by_global_norm(max_norm, axis_name=...)`) instead of "
     "`optax.clip_by_global_norm`; for weight-decay masks or per-group settings "
-    "pass `labels=` with one transformation per label; lamb, lars, adafactor and "
-    "other per-parameter-norm methods cannot be sharded this way. To skip this "
-    "check (at your own risk) pass `check_elementwise=False`."
+    "pass `labels=` with one transformation per label instead of `mask=`; lamb, "
+    "lars, adafactor (factored) and other per-parameter-norm methods cannot be "
+    "sharded this way. To skip this check (at your own risk) pass "
+    "`check_elementwise=False`."
+)
+PROBE_FAILED = (
+    "could not probe the optimizer for {what} on a tree shaped like the params: it "
+    "raised {error!r}. Check that it accepts these params, or pass "
+    "`check_elementwise=False` to skip the probe."
+)
+
+#: Probe cost cap in elements: above it, dimensions are capped (never below
+#: ``MIN_PROBE_DIM``), so a huge model is probed on a smaller tree of the same
+#: structure, ranks and size classes.
+PROBE_ELEMENTS = 1 << 22
+MIN_PROBE_DIM = 512
+#: Allowed difference between tree and shard updates: ulps of the larger, plus a
+#: fraction of the leaf's largest update in that step (see :func:`_mismatch`).
+ULPS = 4
+LEAF_REL = 2.0**-20
+#: Shards per flat buffer in the probe (uneven cuts, never on a leaf boundary
+#: by design).
+PROBE_SHARDS = 3
+
+Units = tuple[tuple[str, tuple[int, ...]], ...] | None
+
+
+def probe_shapes(shapes: tuple[tuple[int, ...], ...]) -> tuple[tuple[int, ...], ...]:
+    """The real shapes, or with every dimension capped when they exceed the budget."""
+    total = sum(math.prod(s) for s in shapes)
+    if total <= PROBE_ELEMENTS:
+        return shapes
+    cap = max(max(s, default=1) for s in shapes)
+    while cap > MIN_PROBE_DIM:
+        cap = max(cap // 2, MIN_PROBE_DIM)
+        capped = tuple(tuple(min(d, cap) for d in s) for s in shapes)
+        if sum(math.prod(s) for s in capped) <= PROBE_ELEMENTS:
+            break
+    return tuple(tuple(min(d, cap) for d in s) for s in shapes)
+
+
+def _values(shapes: tuple[tuple[int, ...], ...], seed: int, kind: str) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for i, shape in enumerate(shapes):
+        if kind == "zeros":
+            out.append(np.zeros(shape, np.float32))
+            continue
+        if kind == "params":  # large, so that decay terms dominate small updates
+            scale = 10.0 ** (i % 3)
+        elif kind == "spread":  # clipping and trust ratios kick in
+            scale = 1e4 if i % 2 else 1e-3
+        else:
+            scale = 10.0 ** (i % 5 - 2)
+        out.append((rng.standard_normal(shape) * scale).astype(np.float32))
+    return out
+
+
+def _run(tx: optax.GradientTransformation, params: Any, grads: list[Any]) -> list[list[Any]]:
+    """Per step, the update leaves."""
+    state = tx.init(params)
+    out = []
+    for g in grads:
+        updates, state = tx.update(g, state, params)
+        out.append(jax.tree.leaves(updates))
+        params = optax.apply_updates(params, updates)
+    return out
+
+
+def _run_ranks(
+    tx: optax.GradientTransformation, params: Any, grads: list[Any], axes: tuple[str, ...]
+) -> list[list[np.ndarray]]:
+    """``_run`` on every rank at once: leaves carry a leading rank axis, mapped
+    with ``jax.vmap`` under the sharded axis names, so collectives in ``tx``
+    (``jaxsync.clip_by_global_norm``) sum over the probe's ranks as over the mesh."""
+    n = jax.tree.leaves(params)[0].shape[0]
+    fn = lambda p, gs: _run(tx, p, gs)  # noqa: E731
+    shape = (n,) + (1,) * max(len(axes) - 1, 0)
+    for name in reversed(axes or (None,)):
+        fn = jax.vmap(fn, axis_name=name)
+    split = lambda t: jax.tree.map(lambda x: x.reshape(shape + x.shape[1:]), t)  # noqa: E731
+    out = fn(split(params), [split(g) for g in grads])
+    return [[np.asarray(u).reshape(n, -1) for u in step] for step in out]
+
+
+def _views(sizes: list[int], units: Units) -> tuple[Any, list[list[np.ndarray]]]:
+    """What the sharded transformation sees on each probe rank: its structure
+    (one flat array, or ``{unit: flat array}``) and, per rank and leaf of it,
+    the indices into the concatenation of all param leaves."""
+    offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+    groups = units if units is not None else (("", tuple(range(len(sizes)))),)
+    flat_idx = [
+        np.concatenate([np.arange(offsets[i], offsets[i + 1]) for i in members] or [[]])
+        for _, members in groups
+    ]
+    per_rank: list[list[np.ndarray]] = [[] for _ in range(PROBE_SHARDS)]
+    for idx in flat_idx:
+        n = idx.size
+        cuts = sorted({0, n, *(min(n, k * n // PROBE_SHARDS + k) for k in (1, 2))})
+        cuts += [n] * PROBE_SHARDS
+        for r in range(PROBE_SHARDS):
+            per_rank[r].append(idx[cuts[r] : cuts[r + 1]].astype(np.int64))
+    if units is None:
+        return jax.tree.structure(0), per_rank
+    struct = jax.tree.structure({name: 0 for name, _ in units})
+    order = np.argsort([name for name, _ in units], kind="stable")  # dict flattening order
+    return struct, [[pieces[k] for k in order] for pieces in per_rank]
+
+
+def _mismatch(got: np.ndarray, want: np.ndarray, sizes: list[int]) -> np.ndarray:
+    """Where ``got`` and ``want`` differ by more than rounding.
+
+    Rounding is ``ULPS`` ulps of the larger value, plus ``LEAF_REL`` of the
+    largest update of the same leaf: XLA:CPU evaluates the same elementwise op
+    a few ulps differently in the vectorised body and the tail of a loop
+    (measured: adam 4 ulps), and optimizers that subtract nearly equal terms
+    (nadam) turn that into more ulps of a result near zero.
+    """
+    mag = np.abs(want).astype(np.float32)
+    seg = np.repeat(np.arange(len(sizes)), sizes)
+    leaf_max = np.zeros(len(sizes), np.float32)
+    np.maximum.at(leaf_max, seg, np.where(np.isfinite(mag), mag, 0))
+    both_nan = np.isnan(got) & np.isnan(want)
+    tol = ULPS * np.spacing(np.maximum(np.abs(got), mag)) + LEAF_REL * leaf_max[seg]
+    with np.errstate(invalid="ignore"):
+        close = np.abs(got.astype(np.float64) - want.astype(np.float64)) <= tol
+    return ~(close | both_nan | (got == want))
+
+
+STEPS = (
+    ("zeros", "zero gradients"),
+    ("spread", "gradients of very different size per leaf"),
+    ("mixed", "random gradients"),
 )
 
 
-def _probe_tree(shapes: tuple[tuple[int, ...], ...], seed: int) -> list[np.ndarray]:
-    rng = np.random.default_rng(seed)
-    leaves = []
-    for i, shape in enumerate(shapes):
-        small = tuple(min(d, 3) for d in shape)
-        scale = 10.0 ** ((i % 3) * 2 - 2)  # leaves of very different magnitude
-        leaves.append((rng.standard_normal(small) * scale).astype(np.float32))
-    return leaves
-
-
-def _run(tx: optax.GradientTransformation, params: Any, grads: list[Any]) -> Any:
-    """Total change of ``params`` over the steps (compared instead of the params,
-    so that small terms such as weight decay are not lost in rounding)."""
-    start, state = params, tx.init(params)
-    for g in grads:
-        updates, state = tx.update(g, state, params)
-        params = optax.apply_updates(params, updates)
-    return jax.tree.map(lambda a, b: a - b, params, start)
-
-
-@functools.lru_cache(maxsize=64)
-def _check_cached(tx: Any, treedef: Any, shapes: tuple[tuple[int, ...], ...], what: str) -> None:
-    params = _probe_tree(shapes, 0)
-    grads = [_probe_tree(shapes, s) for s in (1, 2)]
-    # Magnify one half's grads so that clipping or trust ratios kick in.
-    grads = [[g * (1e4 if i % 2 else 1e-3) for i, g in enumerate(gs)] for gs in grads]
-    small = [tuple(min(d, 3) for d in s) for s in shapes]
+def _probe(
+    tx: Any,
+    treedef: Any,
+    shapes: tuple[tuple[int, ...], ...],
+    names: tuple[str, ...],
+    units: Units,
+    axes: tuple[str, ...],
+    what: str,
+) -> None:
+    shapes = probe_shapes(shapes)
+    params = _values(shapes, 0, "params")
+    grads = [_values(shapes, 1 + k, kind) for k, (kind, _) in enumerate(STEPS)]
     tree = lambda leaves: jax.tree.unflatten(treedef, [jnp.asarray(x) for x in leaves])  # noqa: E731
     try:
-        ref = jax.tree.leaves(_run(tx, tree(params), [tree(g) for g in grads]))
-        flat = np.concatenate([p.ravel() for p in params])
-        flat_grads = [np.concatenate([g.ravel() for g in gs]) for gs in grads]
-        cut = max(1, flat.size // 2 + 1)
-        shards = [
-            _run(tx, jnp.asarray(flat[lo:hi]), [jnp.asarray(g[lo:hi]) for g in flat_grads])
-            for lo, hi in ((0, cut), (cut, flat.size))
-            if hi > lo
-        ]
-        got = np.concatenate([np.asarray(s) for s in shards])
+        one = lambda leaves: tree([x[None] for x in leaves])  # noqa: E731
+        ref = _run_ranks(tx, one(params), [one(g) for g in grads], axes)
+        want = [np.concatenate([u.ravel() for u in step]).astype(np.float32) for step in ref]
+    except Exception as e:
+        raise ValueError(PROBE_FAILED.format(what=what, error=e)) from e
+    sizes = [math.prod(s) for s in shapes]
+    flat_params = np.concatenate([p.ravel() for p in params])
+    flat_grads = [np.concatenate([g.ravel() for g in gs]) for gs in grads]
+    struct, idx = _views(sizes, units)
+    # Ranks own uneven pieces: each piece is zero-padded to the longest, as the
+    # real buffers are padded.
+    width = [max(r[j].size for r in idx) for j in range(len(idx[0]))]
+
+    def view(flat: np.ndarray) -> Any:
+        leaves = []
+        for j, w in enumerate(width):
+            x = np.zeros((len(idx), max(w, 1)), np.float32)
+            for r, pieces in enumerate(idx):
+                x[r, : pieces[j].size] = flat[pieces[j]]
+            leaves.append(jnp.asarray(x))
+        return jax.tree.unflatten(struct, leaves)
+
+    got = [np.full(flat_params.size, np.nan, np.float32) for _ in STEPS]
+    try:
+        out = _run_ranks(tx, view(flat_params), [view(g) for g in flat_grads], axes)
     except Exception as e:  # a mask pytree or a shape-dependent transform
         raise ValueError(
             NOT_ELEMENTWISE.format(what=what, detail=f"on a flat shard it raised {e!r}")
         ) from e
-    want = np.concatenate([np.asarray(r).ravel() for r in ref])
-    sizes = [int(np.prod(s)) for s in small]
-    if got.shape != want.shape or not np.allclose(got, want, rtol=1e-4, atol=1e-6):
-        bad = int(np.argmax(~np.isclose(got, want, rtol=1e-4, atol=1e-6)))
-        leaf = int(np.searchsorted(np.cumsum(sizes), bad, side="right"))
-        raise ValueError(
-            NOT_ELEMENTWISE.format(
-                what=what, detail=f"first mismatch in leaf {leaf} of the probe tree"
+    for step, leaves in zip(got, out, strict=True):
+        for j, u in enumerate(leaves):
+            for r, pieces in enumerate(idx):
+                step[pieces[j]] = u[r, : pieces[j].size]
+    for (_, step_name), g, w in zip(STEPS, got, want, strict=True):
+        if g.shape != w.shape:
+            raise ValueError(
+                NOT_ELEMENTWISE.format(
+                    what=what, detail=f"{g.size} update elements on shards, {w.size} on the tree"
+                )
             )
-        )
+        bad = np.flatnonzero(_mismatch(g, w, sizes))
+        if bad.size:
+            pos = int(bad[0])
+            leaf = int(np.searchsorted(np.cumsum(sizes), pos, side="right"))
+            raise ValueError(
+                NOT_ELEMENTWISE.format(
+                    what=what,
+                    detail=(
+                        f"first seen for param {names[leaf]} after a step of {step_name}: "
+                        f"update {float(w[pos]):.6g} on the tree, {float(g[pos]):.6g} on a "
+                        f"shard; {bad.size} of {w.size} elements differ"
+                    ),
+                )
+            )
 
 
-def check_elementwise(tx: optax.GradientTransformation, params: Any, what: str) -> None:
+@functools.lru_cache(maxsize=64)
+def _probe_cached(
+    tx: Any, treedef: Any, shapes: Any, names: Any, units: Units, axes: Any, what: str
+) -> None:
+    _probe(tx, treedef, shapes, names, units, axes, what)
+
+
+def _cpu() -> Any:
+    try:
+        return jax.devices("cpu")[0]
+    except RuntimeError:  # no CPU backend: probe on the default device
+        return None
+
+
+def check_elementwise(
+    tx: optax.GradientTransformation,
+    params: Any,
+    what: str,
+    *,
+    units: Units = None,
+    axes: tuple[str, ...] = (),
+) -> None:
     """Raises ``ValueError`` if ``tx`` is not elementwise on a tree shaped like ``params``.
 
-    Runs eagerly on tiny arrays (at most 3 per dimension) once per
-    (transformation, tree structure); safe to call while tracing.
+    Args:
+      tx: the transformation to probe.
+      params: arrays, tracers or ``ShapeDtypeStruct``s: only the structure and
+        shapes are used.
+      what: names the transformation in the error.
+      units: ``None``: the sharded transformation sees one flat array (the
+        distributed optimizer); else ``((unit, leaf indices), ...)``: it sees
+        ``{unit: flat array of those leaves}`` (fully sharded units).
+      axes: the mesh axes the shards are split over: the probe's ranks are
+        ``jax.vmap``-ed under these names, so a transformation that reduces over
+        them (``jaxsync.clip_by_global_norm``) sees all probe ranks.
+
+    Runs eagerly on the CPU once per (transformation, tree of shapes), on the
+    real shapes (capped for very large models, see :func:`probe_shapes`); safe
+    to call while tracing.
     """
-    leaves, treedef = jax.tree.flatten(params)
-    shapes = tuple(tuple(int(d) for d in np.shape(x)) for x in leaves)
-    with jax.ensure_compile_time_eval():
+    path_leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
+    shapes = tuple(tuple(int(d) for d in np.shape(x)) for _, x in path_leaves)
+    names = tuple(jax.tree_util.keystr(p) for p, _ in path_leaves)
+    cpu = _cpu()
+    with jax.ensure_compile_time_eval(), jax.default_device(cpu):
         try:
-            _check_cached(tx, treedef, shapes, what)
+            _probe_cached(tx, treedef, shapes, names, units, tuple(axes), what)
         except TypeError as e:  # unhashable transformation: probe without the cache
             if "unhashable" not in str(e):
                 raise
-            _check_cached.__wrapped__(tx, treedef, shapes, what)
+            _probe(tx, treedef, shapes, names, units, tuple(axes), what)

@@ -24,6 +24,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from .axes import AxisName, bound_axes, mesh_axes_size, normalize_axes, to_varying
+from .checks import check_bool
+from .elementwise import check_elementwise as elementwise
 from .fsdp_gather import MixedPrecision, cast_floats, gather_shard, reduce_shard
 from .layout import BufferKey, Layout
 from .names import group_of, param_name
@@ -103,6 +105,7 @@ class FullyShard:
                 stacked=(u,) if u in layers else None,
             )
         self._names = tuple(names)
+        self._shapes = tuple(tuple(int(d) for d in leaf.shape) for _, leaf in leaves)
         self.num_shards = num_shards
         self._layers = layers
         self._template = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
@@ -111,7 +114,20 @@ class FullyShard:
     # --------------------------------------------------------------- layout
     def layout(self, unit: str) -> Layout:
         """The unit's flat-buffer layout (one buffer, one bucket, padded for sharding)."""
+        self._check_unit(unit, "FullyShard.layout")
         return self._sub[unit]
+
+    def _check_unit(self, unit: Any, fn: str, shards: Any = None) -> None:
+        if unit not in self._sub:
+            raise ValueError(
+                f"{fn}: unknown unit {unit!r}; this FullyShard has units {list(self.units)}."
+            )
+        if shards is not None and (not isinstance(shards, dict) or unit not in shards):
+            have = sorted(shards) if isinstance(shards, dict) else type(shards).__name__
+            raise ValueError(
+                f"{fn}: `shards` has no entry for unit {unit!r} (it has {have}); pass the "
+                "dict {unit: shard} from `fs.shard` (inside shard_map: the step's argument)."
+            )
 
     def _unit_params(self, params: PyTree, unit: str) -> dict[str, Any]:
         leaves = jax.tree.leaves(params)
@@ -133,6 +149,15 @@ class FullyShard:
                 f"this FullyShard was built for {self.num_shards} shards; "
                 f"axis {self.axes} of the mesh has {n}."
             )
+        # Units pick their params by leaf position: another tree with as many
+        # leaves of the same shapes would be sharded under the wrong names.
+        treedef = jax.tree.structure(params)
+        if treedef != self._treedef:
+            raise ValueError(
+                "FullyShard.shard: `params` does not have the structure this FullyShard "
+                f"was built for.\n  expected: {self._treedef}\n  received: {treedef}\n"
+                "Pass the params given to `jaxsync.fully_shard`."
+            )
 
         def build(params: PyTree) -> dict[str, jax.Array]:
             out = {}
@@ -147,14 +172,43 @@ class FullyShard:
         return convert(build, (params,), mesh, shardings, key=("fsdp.shard", self, mesh))
 
     def init_optimizer(
-        self, tx: optax.GradientTransformation, shards: dict[str, jax.Array], mesh: Mesh
+        self,
+        tx: optax.GradientTransformation,
+        shards: dict[str, jax.Array],
+        mesh: Mesh,
+        *,
+        check_elementwise: bool = True,
     ) -> tuple[Any, Any]:
         """``tx.init`` on the shards, per device; returns (global state, its specs).
 
         Shard-shaped state leaves (moments) are sharded like the shards; scalars
         (Adam's count) are replicated. Any elementwise optax transformation works
         on the shards; for clipping use :func:`jaxsync.clip_by_global_norm`.
+        ``check_elementwise`` probes ``tx`` once (on a tree shaped like the
+        params against the same numbers as flat unit shards) and rejects what
+        would train differently on shards (``optax.clip_by_global_norm``, lamb,
+        lars, adafactor, masks by path or shape).
         """
+        if not hasattr(tx, "init") or not hasattr(tx, "update"):
+            raise TypeError(f"`tx` must be an optax GradientTransformation, got {tx!r}.")
+        if check_bool(check_elementwise, "check_elementwise"):
+            probe = jax.tree.unflatten(
+                self._treedef, [jax.ShapeDtypeStruct(s, jnp.float32) for s in self._shapes]
+            )
+            members = tuple((u, self._members[u]) for u in self.units)
+            elementwise(
+                tx,
+                probe,
+                "FullyShard.init_optimizer",
+                units=members,
+                axes=self.axes + self.replicate_axes,
+            )
+        missing = sorted(set(self.units) - set(shards)) if isinstance(shards, dict) else None
+        if missing is None or missing:
+            raise ValueError(
+                "`shards` must be the dict {unit: shard} from `fs.shard(params, mesh)`"
+                + (f"; it lacks units {missing}." if missing else f", got {type(shards).__name__}.")
+            )
         specs = self.specs()
         local = {
             u: jax.ShapeDtypeStruct(
@@ -195,6 +249,7 @@ class FullyShard:
         (averaged over all data-parallel ranks, all-reduced over the replica axes
         under hybrid sharding) into the shard.
         """
+        self._check_unit(unit, "FullyShard.gather", shards)
         axes = bound_axes(self.axes, "FullyShard.gather")
         rep = bound_axes(self.replicate_axes, "FullyShard.gather") if self.replicate_axes else ()
         layout = self._sub[unit]
@@ -268,6 +323,7 @@ class FullyShard:
         recomputes the cheap elementwise work. If ``shards[unit]`` already holds
         gathered params (a dict), they are used as is.
         """
+        self._check_unit(unit, "FullyShard.apply", shards)
         if self.policy.cast_forward_inputs:
             inputs = cast_floats(inputs, self.policy.param_dtype)
 
@@ -315,6 +371,7 @@ class FullyShard:
         ``False`` gathers all units once, accumulates full local gradients and
         reduce-scatters once (less communication, more memory).
         """
+        check_microbatches(microbatches, batch)
         if microbatches == 1:
             return jax.value_and_grad(loss_fn)(shards, batch)
         mbs = jax.tree.map(lambda x: x.reshape(microbatches, -1, *x.shape[1:]), batch)
@@ -359,6 +416,20 @@ class ShardedLayers:
 
     def jaxsync_gather(self) -> PyTree:
         return self.fs.gather_layer(self.shard, self.unit)
+
+
+def check_microbatches(microbatches: Any, batch: Any) -> None:
+    """``microbatches``: a positive int dividing every batch leaf's leading axis."""
+    if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
+        raise ValueError(f"`microbatches` must be a positive int, got {microbatches!r}.")
+    for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]:
+        rows = x.shape[0] if getattr(x, "ndim", 0) else None
+        if microbatches > 1 and (rows is None or rows % microbatches):
+            raise ValueError(
+                f"`microbatches={microbatches}` must divide the leading (batch) axis of every "
+                f"batch leaf; leaf {jax.tree_util.keystr(path)} has shape "
+                f"{tuple(getattr(x, 'shape', ()))} on this device."
+            )
 
 
 def _group_trees(params: PyTree, stacked: Sequence[str]) -> dict[str, tuple[Any, list[str]]]:
@@ -423,8 +494,21 @@ def fully_shard(
     if replicate_axis is not None:
         mesh_axes_size(mesh, replicate_axis, "jaxsync.fully_shard")
     stacked = normalize_stacked(stacked)
+    if isinstance(units, str):
+        raise TypeError(f"`units` must be a list of name prefixes, got the string {units!r}.")
     if not units and not stacked:
         raise ValueError("`units` is empty; name at least one unit (a param-name prefix).")
+    bad = [u for u in units if not isinstance(u, str)]
+    dup = sorted({u for u in units if list(units).count(u) > 1})
+    if bad or dup:
+        raise ValueError(
+            f"`units` must be distinct param-name prefixes (strings); got non-strings {bad}"
+            if bad
+            else f"`units` must be distinct param-name prefixes; {dup} appear more than once."
+        )
+    if policy is not None and not isinstance(policy, MixedPrecision):
+        raise TypeError(f"`policy` must be a jaxsync.MixedPrecision or None, got {policy!r}.")
+    check_bool(reshard_after_forward, "reshard_after_forward")
     return FullyShard(
         params,
         axis_name=axis_name,

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from .axes import axes_size, to_varying
+from .checks import check_bool, check_float_dtype
 
 PyTree = Any
 
@@ -32,6 +33,13 @@ class MixedPrecision:
     reduce_dtype: Any = jnp.float32
     output_dtype: Any = None
     cast_forward_inputs: bool = True
+
+    def __post_init__(self) -> None:
+        # An integer dtype here would truncate params or gradients silently.
+        check_float_dtype(self.param_dtype, "MixedPrecision.param_dtype")
+        check_float_dtype(self.reduce_dtype, "MixedPrecision.reduce_dtype")
+        check_float_dtype(self.output_dtype, "MixedPrecision.output_dtype", allow_none=True)
+        check_bool(self.cast_forward_inputs, "MixedPrecision.cast_forward_inputs")
 
 
 def cast_floats(tree: PyTree, dtype: Any) -> PyTree:

@@ -18,11 +18,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from .axes import AxisName, bound_axes, normalize_axes, rank, to_varying
+from .axes import AxisName, axes_size, bound_axes, normalize_axes, rank, to_varying
+from .checks import check_bool, check_float_dtype, check_local_grads, check_local_loss, check_rules
 from .collectives import bucket_all_reduce
 from .finalize import SyncRules, sync_keys
 from .layout import BufferKey, Layout
-from .placement import build_layout
+from .placement import build_layout, check_bucket_size
 from .scan_sync import sync_value_and_grad
 
 PyTree = Any
@@ -64,6 +65,8 @@ def value_and_grad(
       >>> loss, grads = jaxsync.value_and_grad(loss_fn, axis_name="data")(params, batch)
       >>> grads = jaxsync.all_reduce_grads(grads, axis_name="data")
     """
+    check_rules(rules)
+    normalize_axes(axis_name)
     if sync is not None:
         return _synced(fun, sync, argnums, has_aux, rules)
     vg = jax.value_and_grad(fun, argnums=argnums, has_aux=has_aux)
@@ -81,7 +84,9 @@ def value_and_grad(
             leaves, treedef = jax.tree.flatten(args[i])
             owned = [to_varying(x, axes + s.owned_axes) for x, s in zip(leaves, syncs, strict=True)]
             args[i] = jax.tree.unflatten(treedef, owned)
-        return vg(*args, **kwargs)
+        out, grads = vg(*args, **kwargs)
+        check_local_loss(out, axes, has_aux, axis_name)
+        return out, grads
 
     return wrapped
 
@@ -266,8 +271,26 @@ def all_reduce_grads(
     Returns:
       The reduced gradients, each in its original dtype, typed replicated.
     """
-    axes = bound_axes(axis_name, "jaxsync.all_reduce_grads")
+    check_rules(rules)
+    check_float_dtype(reduce_dtype, "reduce_dtype", allow_none=True)
+    check_bool(average, "average")
+    return _all_reduce(
+        grads, axis_name, bucket_size, reduce_dtype, average, rules, "jaxsync.all_reduce_grads"
+    )
+
+
+def _all_reduce(
+    grads: PyTree,
+    axis_name: AxisName,
+    bucket_size: int | None,
+    reduce_dtype: Any,
+    average: bool,
+    rules: SyncRules | None,
+    fn: str,
+) -> PyTree:
+    axes = bound_axes(axis_name, fn)
     layout = _sync_layout(grads, axes, bucket_size, rules)
+    check_local_grads(grads, layout, fn, axis_name=axis_name, rules=rules)
     return bucket_all_reduce(
         grads, layout, axis_name=axes, reduce_dtype=reduce_dtype, average=average
     )
@@ -323,6 +346,13 @@ def broadcast_params(
     is typed replicated. Use it after initialising replicas independently.
     """
     axes = bound_axes(axis_name, "jaxsync.broadcast_params")
+    n = axes_size(axes)
+    if isinstance(src, bool) or not isinstance(src, int | np.integer) or not 0 <= src < n:
+        # An out-of-range rank would match no device and zero every param.
+        raise ValueError(
+            f"jaxsync.broadcast_params: `src` must be a rank in [0, {n}) of axes {axes} "
+            f"(size {n}), got {src!r}."
+        )
     layout = _sync_layout(params, axes, bucket_size)
     mine = to_varying(params, axes)
     keep = rank(axes) == src
@@ -353,6 +383,10 @@ def sync_grads(
     Reduced gradients keep their dtype; the reduction runs in ``reduce_dtype``.
     """
     axes = normalize_axes(axis_name)
+    bucket_size = check_bucket_size(bucket_size)
+    check_rules(rules)
+    check_float_dtype(reduce_dtype, "reduce_dtype", allow_none=True)
+    check_bool(average, "average")
 
     def init_fn(params: PyTree) -> SyncGradsState:
         del params
@@ -362,13 +396,8 @@ def sync_grads(
         grads: PyTree, state: SyncGradsState, params: PyTree | None = None
     ) -> tuple[PyTree, SyncGradsState]:
         del params
-        reduced = all_reduce_grads(
-            grads,
-            axis_name=axes,
-            bucket_size=bucket_size,
-            reduce_dtype=reduce_dtype,
-            average=average,
-            rules=rules,
+        reduced = _all_reduce(
+            grads, axes, bucket_size, reduce_dtype, average, rules, "jaxsync.sync_grads"
         )
         return reduced, state
 

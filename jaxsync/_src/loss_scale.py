@@ -7,10 +7,15 @@ and the step that skips on overflow needs no host round-trip.
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+
+FLOAT32_MAX = float(jnp.finfo(jnp.float32).max)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,15 +36,36 @@ class DynamicLossScale:
     min_scale: float = 1.0
 
     def __post_init__(self) -> None:
-        if self.initial_scale <= 0 or self.min_scale <= 0:
-            raise ValueError("`initial_scale` and `min_scale` must be positive.")
-        if self.growth_factor < 1.0 or not 0.0 < self.backoff_factor < 1.0:
+        # A NaN/Inf or non-positive scale makes every step non-finite, so every
+        # step would be skipped without another sign: reject it here.
+        for name in ("initial_scale", "min_scale"):
+            _check_real(getattr(self, name), name, "a finite number > 0", lambda v: v > 0)
+        _check_real(self.growth_factor, "growth_factor", "a finite number >= 1", lambda v: v >= 1)
+        _check_real(
+            self.backoff_factor, "backoff_factor", "a number in (0, 1)", lambda v: 0 < v < 1
+        )
+        for name in ("growth_interval", "hysteresis"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+                raise ValueError(
+                    f"DynamicLossScale: `{name}` must be an integer >= 1 (steps), got {value!r}."
+                )
+        if self.min_scale > self.initial_scale:
             raise ValueError(
-                f"need growth_factor >= 1 and 0 < backoff_factor < 1, got "
-                f"{self.growth_factor} and {self.backoff_factor}."
+                f"DynamicLossScale: `min_scale` ({self.min_scale}) is above `initial_scale` "
+                f"({self.initial_scale}); the scale must start at or above its floor."
             )
-        if self.growth_interval < 1 or self.hysteresis < 1:
-            raise ValueError("`growth_interval` and `hysteresis` must be >= 1.")
+
+
+def _check_real(value: object, name: str, expected: str, ok: Callable[[float], bool]) -> None:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, numbers.Real)
+        or not math.isfinite(float(value))
+        or not ok(float(value))
+        or float(value) > FLOAT32_MAX
+    ):
+        raise ValueError(f"DynamicLossScale: `{name}` must be {expected}, got {value!r}.")
 
 
 class LossScaleState(NamedTuple):
@@ -60,13 +86,21 @@ LossScale = float | DynamicLossScale | None
 
 
 def check_loss_scale(loss_scale: LossScale) -> None:
+    """``None``, a :class:`DynamicLossScale`, or a finite positive constant.
+
+    A NaN, Inf or non-positive scale makes every step's gradients non-finite, and
+    the optimizer would skip every step: rejected here, when it is passed.
+    """
     if loss_scale is None or isinstance(loss_scale, DynamicLossScale):
         return
-    if not isinstance(loss_scale, int | float) or loss_scale <= 0:
+    ok = isinstance(loss_scale, numbers.Real) and not isinstance(loss_scale, bool)
+    if not ok or not (math.isfinite(float(loss_scale)) and float(loss_scale) > 0):
         raise ValueError(
-            "`loss_scale` must be None (no scaling), a positive float (a constant "
+            "`loss_scale` must be None (no scaling), a finite positive number (a constant "
             f"scale) or a jaxsync.DynamicLossScale, got {loss_scale!r}."
         )
+    if float(loss_scale) > FLOAT32_MAX:
+        raise ValueError(f"`loss_scale` {loss_scale!r} overflows float32 (max ~3.4e38).")
 
 
 def init_loss_scale(loss_scale: LossScale) -> LossScaleState:
@@ -89,9 +123,12 @@ def update_loss_scale(
         return state
     cfg = loss_scale
     grown = state.growth_tracker + 1
+    grown_scale = state.scale * cfg.growth_factor
     grow = grown >= cfg.growth_interval
     ok = LossScaleState(
-        scale=jnp.where(grow, state.scale * cfg.growth_factor, state.scale),
+        # Never grow to Inf (fp32 after ~100k clean steps with the defaults): an
+        # Inf scale makes every later step non-finite, and Inf backs off to Inf.
+        scale=jnp.where(grow & jnp.isfinite(grown_scale), grown_scale, state.scale),
         growth_tracker=jnp.where(grow, 0, grown).astype(jnp.int32),
         hysteresis_tracker=jnp.where(grow, cfg.hysteresis, state.hysteresis_tracker).astype(
             jnp.int32

@@ -27,11 +27,12 @@ from .axes import (
     rank,
     to_varying,
 )
+from .checks import check_optimizer_args, check_update, next_metrics
 from .collectives import bucket_all_gather, bucket_reduce_scatter
 from .finalize import SyncRules
 from .layout import Layout
 from .loss_scale import LossScale, check_loss_scale, update_loss_scale
-from .optimizer_state import DistributedOptimizerState, ShardedGrads, StepMetrics
+from .optimizer_state import DistributedOptimizerState, ShardedGrads
 from .placement import check_bucket_size, normalize_stacked
 from .plan import Labels, Plan
 from .portable import convert, from_portable, portable_fn, signature
@@ -218,9 +219,8 @@ def distributed_optimizer(
             "`labels` needs `inner` to be a mapping label -> transformation; got a single "
             "transformation."
         )
-    if clip_grad_norm is not None and not clip_grad_norm > 0:
-        raise ValueError(f"`clip_grad_norm` must be positive or None, got {clip_grad_norm!r}.")
-    check_bucket_size(bucket_size)
+    clip_grad_norm = check_optimizer_args(clip_grad_norm, reduce_dtype, check_elementwise, rules)
+    bucket_size = check_bucket_size(bucket_size)
     check_loss_scale(loss_scale)
     stacked = normalize_stacked(stacked)
     cfg = Plan(
@@ -239,6 +239,7 @@ def distributed_optimizer(
     def init_fn(params: PyTree) -> DistributedOptimizerState:
         bound_axes(axes, "distributed_optimizer.init")
         layout = cfg.layout_inside(params)
+        check_update(None, None, params, layout, cfg, "distributed_optimizer.init")
         cfg.check(params, layout)
         return cfg.init_for_rank(params, layout, lambda bi: rank(layout.buffers[bi].key.axes))
 
@@ -250,6 +251,7 @@ def distributed_optimizer(
             raise ValueError(NEED_PARAMS)
         bound_axes(axes, "distributed_optimizer.update")
         layout = cfg.layout_inside(params)
+        check_update(grads, state, params, layout, cfg, "distributed_optimizer.update")
         inv_scale = 1.0 / state.loss_scale.scale
         if isinstance(grads, ShardedGrads):
             # Reduced already (inside the backward scan): only unscale.
@@ -322,17 +324,11 @@ def distributed_optimizer(
             lambda new, p: new.astype(jnp.float32) - p.astype(jnp.float32), gathered, params
         )
 
-        skipped = jnp.logical_not(finite)
         new_state = DistributedOptimizerState(
             master=tuple(new_master),
             inner_state=tuple(new_inner),
             loss_scale=update_loss_scale(loss_scale, state.loss_scale, finite),
-            metrics=StepMetrics(
-                grad_norm=grad_norm,
-                num_zeros=num_zeros,
-                skipped=skipped,
-                skipped_steps=state.metrics.skipped_steps + skipped.astype(jnp.int32),
-            ),
+            metrics=next_metrics(state.metrics, grads, finite, grad_norm, num_zeros),
         )
         return updates, new_state
 

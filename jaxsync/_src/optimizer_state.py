@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
 import optax
 
 from .loss_scale import LossScaleState
@@ -18,12 +19,38 @@ class StepMetrics(NamedTuple):
       num_zeros: number of exactly-zero gradient elements (padding excluded).
       skipped: whether the last step was skipped for non-finite gradients.
       skipped_steps: steps skipped so far.
+      consecutive_skips: steps skipped in a row up to the last one (0 once a step
+        is applied); a run that skips every step shows it here.
+      nonfinite_devices: per param (in tree-leaf order), on the first step of the
+        latest run of skipped steps: on how many devices its local gradient held
+        NaN or Inf (all zero: the local gradients were finite and the overflow
+        came from the reduction or the loss scale).
+      first_nonfinite_device: per param, the lowest such device (its index in
+        ``mesh.devices.flat``), -1 where none. :func:`jaxsync.nonfinite_report`
+        turns both into a message naming params and devices.
     """
 
     grad_norm: jax.Array
     num_zeros: jax.Array
     skipped: jax.Array
     skipped_steps: jax.Array
+    consecutive_skips: jax.Array
+    nonfinite_devices: jax.Array
+    first_nonfinite_device: jax.Array
+
+
+def initial_metrics(num_params: int) -> StepMetrics:
+    """Metrics before the first step, for ``num_params`` param leaves."""
+    zero_i = jnp.zeros((), jnp.int32)
+    return StepMetrics(
+        grad_norm=jnp.zeros((), jnp.float32),
+        num_zeros=zero_i,
+        skipped=jnp.zeros((), bool),
+        skipped_steps=zero_i,
+        consecutive_skips=zero_i,
+        nonfinite_devices=jnp.zeros((num_params,), jnp.int32),
+        first_nonfinite_device=jnp.full((num_params,), -1, jnp.int32),
+    )
 
 
 class ShardedGrads(NamedTuple):
@@ -35,9 +62,15 @@ class ShardedGrads(NamedTuple):
     microbatches, in the optimizer's reduce dtype. Stacked buffers were
     reduce-scattered inside the backward scan, layer by layer. ``tx.update``
     takes them as they are, without another reduction.
+
+    Attributes:
+      shards: the reduced shards, one per buffer.
+      nonfinite: per param (tree-leaf order), 1 where this device's *local*
+        gradient held NaN/Inf before the reduction (for the skipped-step report).
     """
 
     shards: tuple[jax.Array, ...]
+    nonfinite: jax.Array | None = None
 
 
 class DistributedOptimizerState(NamedTuple):

@@ -43,13 +43,22 @@ def _default_key(path: str, leaf: Any) -> BufferKey:
     return BufferKey(dtype=jnp.dtype(leaf.dtype).name)
 
 
-def check_bucket_size(bucket_size: int | None) -> None:
-    """``bucket_size`` must be a positive element count, or None for one bucket."""
-    if bucket_size is not None and (not isinstance(bucket_size, int) or bucket_size <= 0):
+def check_bucket_size(bucket_size: int | None) -> int | None:
+    """``bucket_size`` as an int: a positive element count (numpy ints too, never a
+    bool), or None for one bucket."""
+    if bucket_size is None:
+        return None
+    if isinstance(bucket_size, bool | np.bool_) or not isinstance(bucket_size, int | np.integer):
+        raise ValueError(
+            f"`bucket_size` must be a positive number of elements or None (one bucket "
+            f"per buffer), got {bucket_size!r} ({type(bucket_size).__name__})."
+        )
+    if bucket_size <= 0:
         raise ValueError(
             f"`bucket_size` must be a positive number of elements or None (one bucket "
             f"per buffer), got {bucket_size!r}."
         )
+    return int(bucket_size)
 
 
 def normalize_stacked(stacked: str | Sequence[str] | None) -> tuple[str, ...]:
@@ -137,7 +146,7 @@ def build_layout(
       128
     """
     shards_of = num_shards if callable(num_shards) else (lambda _key: num_shards)
-    check_bucket_size(bucket_size)
+    bucket_size = check_bucket_size(bucket_size)
     groups = normalize_stacked(stacked)
     key_fn = key_fn or _default_key
     path_leaves, treedef = jax.tree_util.tree_flatten_with_path(params)

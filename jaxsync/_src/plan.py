@@ -19,12 +19,13 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from .axes import varying_axes
+from .checks import check_labels, check_param_leaves, check_param_specs
 from .elementwise import check_elementwise
 from .finalize import ExpertParallel, SyncRules, sync_keys
 from .layout import BufferKey, Layout
 from .loss_scale import LossScale, init_loss_scale
 from .names import param_name
-from .optimizer_state import DistributedOptimizerState, StepMetrics
+from .optimizer_state import DistributedOptimizerState, initial_metrics
 from .placement import build_layout
 from .specs import local_shape, param_specs_of, spec_axes
 
@@ -64,20 +65,8 @@ class Plan:
         if self.labels is None:
             return None
         labels = self.labels(params) if callable(self.labels) else self.labels
-        try:
-            flat = jax.tree.leaves(jax.tree.map(lambda _, lab: lab, params, labels))
-        except ValueError as e:
-            raise ValueError(
-                f"`labels` must have the structure of the params (one string per param); {e}"
-            ) from e
-        names = sorted(set(flat))
         assert isinstance(self.inner, Mapping)
-        missing = [n for n in names if n not in self.inner]
-        if missing:
-            raise ValueError(
-                f"`labels` uses {missing}, which `inner` has no transformation for; "
-                f"`inner` has keys {sorted(self.inner)}."
-            )
+        check_labels(params, labels, self.inner)
         return labels
 
     def layout(
@@ -132,7 +121,9 @@ class Plan:
         self, params: PyTree, mesh: Mesh, param_specs: PyTree = None
     ) -> tuple[Layout, PyTree, PyTree]:
         """Layout from global params (outside shard_map): (layout, local params, specs)."""
+        check_param_leaves(params, "distributed_optimizer")
         specs = param_specs_of(params, param_specs)
+        check_param_specs(params, specs, mesh)
         local = jax.tree.map(
             lambda x, spec: jax.ShapeDtypeStruct(local_shape(x.shape, spec, mesh), x.dtype),
             params,
@@ -162,12 +153,11 @@ class Plan:
             shard = layout.shard_of(bi, flat[bi], rank_of(bi))
             master.append(shard)
             inner_state.append(self.inner_for(layout, bi).init(shard))
-        zero_f, zero_i = jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32)
         return DistributedOptimizerState(
             master=tuple(master),
             inner_state=tuple(inner_state),
             loss_scale=init_loss_scale(self.loss_scale),
-            metrics=StepMetrics(zero_f, zero_i, jnp.zeros((), bool), zero_i),
+            metrics=initial_metrics(len(layout.slots)),
         )
 
     def check(self, params: PyTree, layout: Layout) -> None:
@@ -198,5 +188,6 @@ class Plan:
                 jax.tree.map(spec_for(bi), s) for bi, s in enumerate(shapes.inner_state)
             ),
             loss_scale=jax.tree.map(lambda _: P(), shapes.loss_scale),
-            metrics=jax.tree.map(lambda _: P(), shapes.metrics),
+            # P(None, ...) per dimension: what the step returns for a replicated array
+            metrics=jax.tree.map(lambda x: P(*(None,) * x.ndim), shapes.metrics),
         )

@@ -201,14 +201,21 @@ def _tap(spec: TapSpec, params: PyTree, sinks: Any, acc: Any) -> PyTree:
 
 def _tap_fwd(spec: TapSpec, params: PyTree, sinks: Any, acc: Any) -> tuple[PyTree, Any]:
     del spec
-    return params, (acc, jax.tree.map(lambda s: jnp.zeros((0,), s.dtype), sinks))
+    # Only the sinks' types travel to the backward (empty arrays of their dtype
+    # and device-varying axes), never their values.
+    like = jax.tree.map(lambda s: _like(jnp.zeros((0,), s.dtype), s), sinks)
+    return params, (acc, like)
 
 
 def _tap_bwd(spec: TapSpec, res: Any, ct: PyTree) -> tuple[None, Any, None]:
-    acc, like = res
+    acc, (like, like_flags) = res
     layout = spec.layout
+    leaves = jax.tree.leaves(ct)
+    # Which leaves had a non-finite *local* gradient, before any reduction (for
+    # the distributed optimizer's skipped-step report).
+    flags = jnp.stack([jnp.logical_not(jnp.all(jnp.isfinite(g))) for g in leaves])
     by_slot: list[Any] = [None] * len(layout.slots)
-    for si, leaf in zip(spec.slots, jax.tree.leaves(ct), strict=True):
+    for si, leaf in zip(spec.slots, leaves, strict=True):
         by_slot[si] = leaf
     packed = layout.pack_leaves(by_slot, spec.buffers, spec.reduce_dtype, rows=True)
     if acc is not None:
@@ -222,14 +229,14 @@ def _tap_bwd(spec: TapSpec, res: Any, ct: PyTree) -> tuple[None, Any, None]:
             r = scale_by(reduce_bucket(bucket, key, baxes, scatter=spec.scatter), spec.factor)
             reduced.append(_like(r, sink))
         out.append(tuple(reduced))
-    return None, tuple(out), None
+    return None, (tuple(out), _like(flags, like_flags)), None
 
 
 _tap.defvjp(_tap_fwd, _tap_bwd)
 
 
 def _like(x: jax.Array, sink: jax.Array) -> jax.Array:
-    """``x`` typed device-varying over every axis the sink varies over."""
+    """``x`` in the sink's dtype, typed device-varying over every axis it varies over."""
     return to_varying(x.astype(sink.dtype), tuple(sorted(varying_axes(sink))))
 
 
@@ -294,20 +301,26 @@ def sync_value_and_grad(
         specs[group] = TapSpec(
             group, layout, bufs, slots, plan.axes, plan.scatter, plan.reduce_dtype, factor
         )
-        sinks[group] = tuple(
+        flag_sink = to_varying(
+            jnp.zeros((layout.buffers[bufs[0]].layers, len(slots)), jnp.float32), plan.axes
+        )
+        sinks[group] = (
             tuple(
-                to_varying(
-                    jnp.zeros(
-                        (layout.buffers[bi].layers, b.size // layout.buffers[bi].num_shards)
-                        if plan.scatter
-                        else (layout.buffers[bi].layers, b.size),
-                        plan.reduce_dtype,
-                    ),
-                    _sink_axes(plan, bi),
+                tuple(
+                    to_varying(
+                        jnp.zeros(
+                            (layout.buffers[bi].layers, b.size // layout.buffers[bi].num_shards)
+                            if plan.scatter
+                            else (layout.buffers[bi].layers, b.size),
+                            plan.reduce_dtype,
+                        ),
+                        _sink_axes(plan, bi),
+                    )
+                    for b in layout.buffers[bi].buckets
                 )
-                for b in layout.buffers[bi].buckets
-            )
-            for bi in bufs
+                for bi in bufs
+            ),
+            flag_sink,
         )
         accs[group] = (
             None if acc_leaves is None else layout.pack_leaves(acc_leaves, bufs, plan.reduce_dtype)
@@ -340,9 +353,18 @@ def sync_value_and_grad(
         by_slot[i] = g if acc_leaves is None else g.astype(jnp.float32) + acc_leaves[i]
     packed_free = layout.pack_leaves(by_slot, free_bufs, plan.reduce_dtype)
     per_buffer: dict[int, Any] = {}
+    nonfinite = [None] * len(leaves)
+    for i in free:
+        nonfinite[i] = jnp.logical_not(jnp.all(jnp.isfinite(by_slot[i])))
     for group, bufs in stacks.items():
-        for bi, buckets in zip(bufs, g_sinks[group], strict=True):
+        bucket_grads, flag_grads = g_sinks[group]
+        for bi, buckets in zip(bufs, bucket_grads, strict=True):
             per_buffer[bi] = buckets
+        for j, si in enumerate(specs[group].slots):
+            bad = jnp.max(flag_grads[:, j]) > 0
+            if acc_leaves is not None:
+                bad = bad | jnp.logical_not(jnp.all(jnp.isfinite(acc_leaves[si])))
+            nonfinite[si] = bad
     if plan.scatter:
         shards = dict(
             zip(
@@ -353,7 +375,10 @@ def sync_value_and_grad(
         )
         for bi, buckets in per_buffer.items():
             shards[bi] = buckets[0] if len(buckets) == 1 else jnp.concatenate(buckets, axis=-1)
-        return out, ShardedGrads(tuple(shards[bi] for bi in range(len(layout.buffers))))
+        return out, ShardedGrads(
+            tuple(shards[bi] for bi in range(len(layout.buffers))),
+            jnp.stack(nonfinite).astype(jnp.int32),
+        )
     for bi, buckets in zip(free_bufs, packed_free, strict=True):
         key = layout.buffers[bi].key
         baxes = buffer_axes(layout, bi, plan.axes)
