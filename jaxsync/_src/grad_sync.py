@@ -24,7 +24,7 @@ from .collectives import bucket_all_reduce
 from .finalize import SyncRules, sync_keys
 from .layout import BufferKey, Layout
 from .placement import build_layout, check_bucket_size
-from .scan_sync import sync_value_and_grad
+from .scan_sync import sync_rules, sync_value_and_grad
 
 PyTree = Any
 
@@ -201,9 +201,7 @@ def _accumulate_synced(
     last = jax.tree.map(lambda m: m[-1], microbatches)
     acc = None
     if n > 1:
-        rules = getattr(sync, "rules", None) or getattr(
-            getattr(sync, "__dict__", {}).get("config"), "rules", None
-        )
+        rules = sync_rules(sync)
         head = jax.tree.map(lambda m: m[:-1], microbatches)
         out0, acc = accumulate_grads(
             fun, params, head, axis_name=axes, has_aux=has_aux, rules=rules

@@ -101,17 +101,28 @@ class _Plan:
     rules: SyncRules | None
 
 
-def _plan(sync: Any, params: PyTree, fn: str) -> _Plan:
-    if isinstance(sync, DataParallel):
-        axes = bound_axes(sync.axis_name, fn)
-        dtype = jnp.dtype(sync.reduce_dtype or jnp.float32).name
-        return _Plan(sync.layout(params), axes, False, dtype, sync.rules)
+def _optimizer_plan(sync: Any) -> Any:
+    """The distributed optimizer's plan behind ``sync``, or a clear error."""
     config = getattr(sync, "__dict__", {}).get("config")
     if config is None or not hasattr(config, "layout_inside"):
         raise TypeError(
             f"`sync` must be a jaxsync.DataParallel or a jaxsync.distributed_optimizer, got "
             f"{type(sync).__name__}. For FSDP use `FullyShard.value_and_grad`."
         )
+    return config
+
+
+def sync_rules(sync: Any) -> SyncRules | None:
+    """The finalize rules a sync reduces with (so local passes use the same ones)."""
+    return sync.rules if isinstance(sync, DataParallel) else _optimizer_plan(sync).rules
+
+
+def _plan(sync: Any, params: PyTree, fn: str) -> _Plan:
+    if isinstance(sync, DataParallel):
+        axes = bound_axes(sync.axis_name, fn)
+        dtype = jnp.dtype(sync.reduce_dtype or jnp.float32).name
+        return _Plan(sync.layout(params), axes, False, dtype, sync.rules)
+    config = _optimizer_plan(sync)
     axes = bound_axes(config.axes, fn)
     layout = config.layout_inside(params)
     return _Plan(layout, axes, True, jnp.dtype(config.reduce_dtype).name, config.rules)
