@@ -313,3 +313,30 @@ def test_nonfinite_local_grads_are_named_under_in_loop_sync(mesh8):
     jax.tree.map(np.testing.assert_array_equal, params, got)  # the step changed nothing
     report = jaxsync.nonfinite_report(state, params, mesh8)
     assert "blocks.w1" in report and "inp.w" in report and "device 3" in report, report
+
+
+def _shard_mapped(mesh, fn):
+    return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(P(), P("data")), out_specs=(P(), P())))
+
+
+def test_sync_must_be_a_jaxsync_sync(mesh8):
+    params = scanned_params(jax.random.PRNGKey(0))
+    xs, ys = scanned_batches(jax.random.PRNGKey(1), 1, BATCH)
+    batch = jax.device_put((xs[0], ys[0]), NamedSharding(mesh8, P("data")))
+    vg = jaxsync.value_and_grad(scanned_loss, axis_name="data", sync=optax.adam(1e-3))
+    with pytest.raises(TypeError, match=r"`sync` must be a jaxsync\.DataParallel"):
+        _shard_mapped(mesh8, vg)(params, batch)
+
+
+def test_tap_on_the_whole_stack_is_an_error(mesh8):
+    def whole(params, batch):
+        p = jaxsync.tap(params["blocks"])  # not a layer's slice
+        return jnp.sum(p["w1"]) * jnp.mean(batch[0])
+
+    params = scanned_params(jax.random.PRNGKey(0))
+    xs, ys = scanned_batches(jax.random.PRNGKey(1), 1, BATCH)
+    batch = jax.device_put((xs[0], ys[0]), NamedSharding(mesh8, P("data")))
+    sync = jaxsync.DataParallel("data", stacked="blocks")
+    vg = jaxsync.value_and_grad(whole, axis_name="data", sync=sync)
+    with pytest.raises(ValueError, match=r"with shape \(4, 24\); one layer's slice has shape \(24,\)"):
+        _shard_mapped(mesh8, vg)(params, batch)
