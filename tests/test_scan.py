@@ -338,5 +338,7 @@ def test_tap_on_the_whole_stack_is_an_error(mesh8):
     batch = jax.device_put((xs[0], ys[0]), NamedSharding(mesh8, P("data")))
     sync = jaxsync.DataParallel("data", stacked="blocks")
     vg = jaxsync.value_and_grad(whole, axis_name="data", sync=sync)
-    with pytest.raises(ValueError, match=r"with shape \(4, 24\); one layer's slice has shape \(24,\)"):
+    with pytest.raises(
+        ValueError, match=r"with shape \(4, 24\); one layer's slice has shape \(24,\)"
+    ):
         _shard_mapped(mesh8, vg)(params, batch)
