@@ -2,6 +2,8 @@
 
 from jaxsync._src.axes import normalize_axes as normalize_axes
 from jaxsync._src.checkpoint import Checkpointer as Checkpointer
+from jaxsync._src.checkpoint import CheckpointMismatchError as CheckpointMismatchError
+from jaxsync._src.checkpoint import CorruptCheckpointError as CorruptCheckpointError
 from jaxsync._src.checkpoint import Restored as Restored
 from jaxsync._src.collectives import bucket_all_gather as bucket_all_gather
 from jaxsync._src.collectives import bucket_all_reduce as bucket_all_reduce
@@ -50,7 +52,9 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Bucket",
+    "CheckpointMismatchError",
     "Checkpointer",
+    "CorruptCheckpointError",
     "CollectiveStats",
     "DistributedOptimizer",
     "DistributedOptimizerState",
