@@ -476,6 +476,7 @@ class Checkpointer:
                 + "\nRestore with the model and optimizer settings the run was saved "
                 "with (the data-parallel size may differ)."
             )
+
         # Read every array in the dtype it was saved in, so its checksum can be
         # checked, and cast afterwards where the model wants another dtype.
         def as_saved(path: Any, x: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
