@@ -362,6 +362,27 @@ class Checkpointer:
             raise self._unreadable(step, what, item, e) from e
         return out[item]
 
+    def _complete_step(self, step: int | None) -> int:
+        self._check_open()
+        if step is None:
+            step = self.latest_step()
+        elif step not in self.all_steps():
+            step = None
+        if step is None:
+            found = self.all_steps()
+            detail = f" (complete steps: {found})" if found else ""
+            raise FileNotFoundError(NO_CHECKPOINT.format(dir=self.directory, detail=detail))
+        return step
+
+    def read_meta(self, step: int | None = None) -> dict[str, Any]:
+        """The ``meta`` dict saved with ``step`` (default: the newest), without the arrays.
+
+        A resumed run can compare the config it was saved with before building
+        anything. Raises ``FileNotFoundError`` without a complete checkpoint.
+        """
+        step = self._complete_step(step)
+        return dict(self._read_json(step, "meta", "meta (JSON)") or {})
+
     def restore(
         self,
         *,
@@ -398,15 +419,7 @@ class Checkpointer:
             back other values than were saved; the message names the step and
             the file or array.
         """
-        self._check_open()
-        if step is None:
-            step = self.latest_step()
-        elif step not in self.all_steps():
-            step = None
-        if step is None:
-            found = self.all_steps()
-            detail = f" (complete steps: {found})" if found else ""
-            raise FileNotFoundError(NO_CHECKPOINT.format(dir=self.directory, detail=detail))
+        step = self._complete_step(step)
 
         # jaxsync's record; checkpoints written before it existed have none.
         checks = None

@@ -5,8 +5,8 @@ flipped byte in a chunk can decode to other numbers without any error (seen with
 orbax-checkpoint 0.12). So :class:`~jaxsync.Checkpointer` stores a checksum of
 every saved array and recomputes it after a restore.
 
-The checksum is computed where the array lives, by one jitted program per tree:
-each element's bits are hashed together with its flat index (so swapped
+The checksum is computed where the array lives, by a jitted program: each
+element's bits are hashed together with its flat index (so swapped
 elements count), and the hashes are summed in ``uint32``. Integer addition with
 wrap-around is associative and commutative, so the result does not depend on
 how the array is sharded or in which order XLA reduces: a state saved on 8
@@ -70,12 +70,10 @@ def _checksum(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     )
 
 
-_checksums = jax.jit(lambda leaves: [_checksum(x) for x in leaves])
-
-
-def _device_key(x: Any) -> Any:
-    sharding = getattr(x, "sharding", None)
-    return None if sharding is None else frozenset(d.id for d in sharding.device_set)
+# One program per shape, dtype and sharding (jit's own cache): a model's arrays
+# share few of those (a param, its master copy and Adam's moments are one), and
+# XLA:CPU compiles many small programs faster than one that holds every array.
+_checksum_jit = jax.jit(_checksum)
 
 
 def tree_checksums(tree: PyTree) -> dict[str, str]:
@@ -85,19 +83,16 @@ def tree_checksums(tree: PyTree) -> dict[str, str]:
     on different sets of devices are checked by one program per set. Typed PRNG
     keys are checked through their key data.
     """
-    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
-    groups: dict[Any, list[tuple[str, Any]]] = {}
-    for path, leaf in leaves:
+    pending = []
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
         if isinstance(leaf, jax.Array) and jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key):
             leaf = jax.random.key_data(leaf)
         elif not isinstance(leaf, jax.Array):
             leaf = np.asarray(leaf)
-        groups.setdefault(_device_key(leaf), []).append((param_name(path), leaf))
+        pending.append((param_name(path), _checksum_jit(leaf)))  # all dispatched first
     out = {}
-    for items in groups.values():
-        sums = _checksums([leaf for _, leaf in items])
-        for (name, _), (a, b) in zip(items, sums, strict=True):
-            # Scalars are replicated on every device (and process): read one copy.
-            a, b = (int(np.asarray(s.addressable_data(0))) for s in (a, b))
-            out[name] = f"{a:08x}{b:08x}"
+    for name, sums in pending:
+        # Scalars are replicated on every device (and process): read one copy.
+        a, b = (int(np.asarray(s.addressable_data(0))) for s in sums)
+        out[name] = f"{a:08x}{b:08x}"
     return out
