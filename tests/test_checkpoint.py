@@ -421,3 +421,16 @@ def test_unclosed_async_save_is_finished_at_exit(tmp_path):
         r = ck.restore(params_like={"w": jnp.zeros(1000)}, opt_state_like={})
     assert r.step == 7 and r.meta == {"pos": 7}
     np.testing.assert_array_equal(r.params["w"], np.arange(1000.0))
+
+
+def test_label_differences_name_each_param_and_leave_model_changes_alone():
+    from jaxsync._src.describe import DISTRIBUTED, optimizer_differences
+
+    saved = {"kind": DISTRIBUTED, "labels": {"a.w": "decay", "a.b": "no_decay", "gone": "x"}}
+    now = {"kind": DISTRIBUTED, "labels": {"a.w": "no_decay", "a.b": "no_decay", "new": "y"}}
+    assert optimizer_differences(saved, now) == [
+        "  labels differ for 1 param(s): a.w: decay -> no_decay"
+    ]
+    assert optimizer_differences(saved, {**saved, "kind": "optax"}) == [
+        f"  optimizer: saved from {DISTRIBUTED}, restoring into optax"
+    ]

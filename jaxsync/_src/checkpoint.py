@@ -257,14 +257,21 @@ class Checkpointer:
             raise ValueError(CLOSED.format(dir=self.directory))
 
     def latest_step(self) -> int | None:
-        """The newest complete checkpoint's step, or None."""
-        self._manager.reload()
+        """The newest complete checkpoint's step, or None (after a pending save)."""
+        self._reload()
         return self._manager.latest_step()
 
     def all_steps(self) -> list[int]:
-        """Steps of the complete checkpoints, oldest first."""
-        self._manager.reload()
+        """Steps of the complete checkpoints, oldest first (after a pending save)."""
+        self._reload()
         return list(self._manager.all_steps())
+
+    def _reload(self) -> None:
+        # A save in flight is only on disk once finished; reading the directory
+        # before that would also make the manager forget it.
+        if not self._closed:
+            self._manager.wait_until_finished()
+        self._manager.reload()
 
     def save(
         self,

@@ -107,10 +107,14 @@ def optimizer_differences(saved: Mapping[str, Any], now: Mapping[str, Any]) -> l
             continue
         if key == "labels" and isinstance(a, dict) and isinstance(b, dict):
             changed = [
-                f"{n}: {a.get(n)} -> {b.get(n)}"
-                for n in sorted(set(a) | set(b))
-                if a.get(n) != b.get(n)
+                f"{n}: {a[n]} -> {b[n]}"
+                # Params only in one of them are the model's difference, not the
+                # optimizer's: the comparison of the arrays reports those.
+                for n in sorted(set(a) & set(b))
+                if a[n] != b[n]
             ]
+            if not changed:
+                continue
             more = f" (and {len(changed) - _MAX_LISTED} more)" if len(changed) > _MAX_LISTED else ""
             problems.append(
                 f"  labels differ for {len(changed)} param(s): "
