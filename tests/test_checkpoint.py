@@ -200,10 +200,13 @@ def test_conversion_compiles_once_per_model_and_mesh(setup):
 # ---------------------------------------------------------------- no silent wrong answers
 
 
-def _saved_once(tmp_path_factory, setup, **tx_kwargs):
-    """A checkpoint of step 1 saved on 2 ranks, and what was saved."""
-    params, _, _ = setup
-    tx = jaxsync.distributed_optimizer(optax.adam(5e-3), axis_name="data", **tx_kwargs)
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """Step 1 saved on 2 ranks with a dynamic loss scale (read-only for the tests)."""
+    params = mlp_params(jax.random.PRNGKey(0), dtype=jnp.bfloat16)
+    tx = jaxsync.distributed_optimizer(
+        optax.adam(5e-3), axis_name="data", loss_scale=jaxsync.DynamicLossScale(4096.0)
+    )
     m = mesh_of(2)
     state = tx.sharded_init(params, m)
     d = tmp_path_factory.mktemp("saved")
@@ -235,10 +238,8 @@ def _saved_once(tmp_path_factory, setup, **tx_kwargs):
         ),
     ],
 )
-def test_restore_into_another_optimizer_is_refused(tmp_path_factory, setup, now, words):
-    d, params, _, m, _ = _saved_once(
-        tmp_path_factory, setup, loss_scale=jaxsync.DynamicLossScale(4096.0)
-    )
+def test_restore_into_another_optimizer_is_refused(saved, now, words):
+    d, params, _, m, _ = saved
     inner = now.pop("inner", optax.adam(5e-3))
     tx = jaxsync.distributed_optimizer(inner, axis_name="data", **now)
     with (
@@ -252,10 +253,8 @@ def test_restore_into_another_optimizer_is_refused(tmp_path_factory, setup, now,
         assert w in msg, msg
 
 
-def test_allowed_optimizer_change_restarts_the_loss_scale(tmp_path_factory, setup):
-    d, params, _, m, state = _saved_once(
-        tmp_path_factory, setup, loss_scale=jaxsync.DynamicLossScale(4096.0)
-    )
+def test_allowed_optimizer_change_restarts_the_loss_scale(saved):
+    d, params, _, m, state = saved
     # Another bucket size and DP size are no change: checkpoints reshard.
     same = jaxsync.distributed_optimizer(
         optax.adam(5e-3),
@@ -272,8 +271,8 @@ def test_allowed_optimizer_change_restarts_the_loss_scale(tmp_path_factory, setu
     np.testing.assert_array_equal(np.asarray(r.opt_state.master[0]), np.asarray(state.master[0]))
 
 
-def test_restore_without_tx_says_what_to_pass(tmp_path_factory, setup):
-    d, params, tx, m, _ = _saved_once(tmp_path_factory, setup)
+def test_restore_without_tx_says_what_to_pass(saved):
+    d, params, tx, m, _ = saved
     with jaxsync.Checkpointer(d) as ck:
         with pytest.raises(ValueError, match=r"step 1 .* `tx=` .* `mesh=`"):
             ck.restore(params_like=params)
@@ -335,19 +334,22 @@ def _flip(path, pos):
 
 # Orbax leaves a callback on its closed event loop when a restore fails: harmless.
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
-def test_flipped_bytes_are_detected(tmp_path_factory, tmp_path, setup):
-    d, params, tx, m, _ = _saved_once(tmp_path_factory, setup)
+def test_flipped_bytes_are_detected(tmp_path, saved):
+    d, params, tx, m, _ = saved
     with jaxsync.Checkpointer(d) as ck:
         good = ck.restore(params_like=params, tx=tx, mesh=m)
     good = jax.tree.leaves((good.params, good.opt_state))
     # Orbax's chunks are compressed without a checksum: some flips fail to decode,
-    # others decode to other numbers. None may restore silently.
+    # others decode to other numbers, others land in bytes never read. None may
+    # restore other numbers silently. Flip one byte at a time, largest files (the
+    # array data) first, until one decodes to other numbers.
     files = sorted(
-        p for p in (d / "1" / "state").rglob("*") if p.is_file() and p.parent.name == "d"
+        (p for p in (d / "1" / "state").rglob("*") if p.is_file() and p.parent.name == "d"),
+        key=lambda p: (-p.stat().st_size, p.name),
     )
     outcomes = []
     for i, f in enumerate(files):
-        for frac in (0.25, 0.5):
+        for frac in (0.5, 0.25, 0.75, 0.1, 0.9):
             copy = tmp_path / f"{i}-{frac}"
             shutil.copytree(d, copy)
             _flip(copy / f.relative_to(d), int(f.stat().st_size * frac))
@@ -360,6 +362,8 @@ def test_flipped_bytes_are_detected(tmp_path_factory, tmp_path, setup):
             for a, b in zip(good, jax.tree.leaves((r.params, r.opt_state)), strict=True):
                 np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
             outcomes.append("unchanged")
+        if any("differ from what was saved" in o for o in outcomes):
+            break
     caught = [o for o in outcomes if "differ from what was saved" in o]
     assert caught, outcomes
     assert re.search(
