@@ -33,7 +33,11 @@ INTERVAL = 1.0
 # Frames in these directories are library internals: the place reported is the
 # innermost frame outside them (the user's line that called into JAX).
 _LIBRARY_DIRS = tuple(
-    {os.path.normpath(p) + os.sep for p in sysconfig.get_paths().values() if p}
+    {
+        os.path.normpath(path) + os.sep
+        for name, path in sysconfig.get_paths().items()
+        if name in ("stdlib", "platstdlib", "purelib", "platlib") and path
+    }
     | {os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep}
 )
 
