@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(PY) examples/train_gpt.py --config configs/tiny.yaml
+	$(PY) examples/train_gpt.py --config configs/tiny.yaml --overwrite
 
 test: $(STAMP)
 	$(PY) -m pytest -q

@@ -12,8 +12,13 @@ detect the cluster):
     JAXSYNC_COORDINATOR=host0:1234 JAXSYNC_NUM_PROCESSES=N JAXSYNC_PROCESS_ID=i \\
         python examples/train_gpt.py --config configs/tiny.yaml
 
-Resume from the newest complete checkpoint of a run with --resume. Metrics are
-appended to <run dir>/metrics.jsonl; only process 0 prints.
+Resume from the newest complete checkpoint of a run with --resume (the config
+must be the one the run was saved with, unless --allow-config-change). A fresh
+run refuses a run dir that already holds a run, unless --overwrite (which
+deletes its checkpoints and metrics). Metrics are appended to
+<run dir>/metrics.jsonl; only process 0 prints. The run stops with an error
+after train.max_consecutive_skips steps in a row were skipped for non-finite
+gradients (it would otherwise go on without training).
 """
 
 from __future__ import annotations
@@ -31,14 +36,17 @@ if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "
 
 import argparse  # noqa: E402
 import json  # noqa: E402
+import shutil  # noqa: E402
 import time  # noqa: E402
 from functools import partial  # noqa: E402
 
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 import yaml  # noqa: E402
 from flax import nnx  # noqa: E402
+from jax.experimental import multihost_utils  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 from rich.console import Console  # noqa: E402
@@ -72,6 +80,7 @@ DEFAULTS = {
         "optimizer": "zero",
         "bucket_size": None,
         "seed": 0,
+        "max_consecutive_skips": 50,
     },
     "checkpoint": {"every": 100, "keep": 3, "async": True},
     "log_every": 25,
@@ -79,28 +88,184 @@ DEFAULTS = {
 }
 
 
+# Keys that may change when a run is resumed: where and how often it writes, how
+# the gradients are bucketed (checkpoints reshard), and the skip guard.
+RESUMABLE_CHANGES = {
+    "run_dir",
+    "log_every",
+    "checkpoint.every",
+    "checkpoint.keep",
+    "checkpoint.async",
+    "train.bucket_size",
+    "train.max_consecutive_skips",
+}
+
+
+class ConfigError(ValueError):
+    """A config value the trainer cannot run with; the message names the key."""
+
+
+class RunStopped(RuntimeError):
+    """The run cannot go on (e.g. every step is skipped); the message says why."""
+
+
+def _kind(value) -> str:
+    return f"{value!r} ({type(value).__name__})"
+
+
+def _check(cfg: dict, sources: dict[str, str]) -> None:
+    """Checks every value's type and range, naming the key and where it came from."""
+
+    def fail(key: str, what: str, value) -> None:
+        hint = ""
+        if isinstance(value, str) and value.replace("e", "").replace("-", "").isdigit():
+            hint = " (YAML reads 3e-3 as a string: write 3.0e-3)"
+        raise ConfigError(
+            f"{sources.get(key, 'config')}: `{key}` must be {what}, got {_kind(value)}{hint}."
+        )
+
+    def get(key: str):
+        section, _, name = key.rpartition(".")
+        return (cfg[section] if section else cfg)[name]
+
+    def integer(key: str, low: int) -> None:
+        v = get(key)
+        if isinstance(v, bool) or not isinstance(v, int) or v < low:
+            fail(key, f"an integer >= {low}", v)
+
+    def number(key: str, *, positive: bool, none: bool = False) -> None:
+        v = get(key)
+        if none and v is None:
+            return
+        ok = isinstance(v, int | float) and not isinstance(v, bool)
+        if not ok or (positive and not v > 0) or (not positive and v < 0):
+            what = "a number > 0" if positive else "a number >= 0"
+            fail(key, what + (" or null" if none else ""), v)
+
+    for key in ("model.seq_len", "model.d_model", "model.n_layers", "model.n_heads"):
+        integer(key, 1)
+    if cfg["model"]["dtype"] not in ("float32", "bfloat16", "float16"):
+        fail("model.dtype", "one of float32, bfloat16, float16", cfg["model"]["dtype"])
+    for key in ("train.steps", "train.global_batch", "train.microbatches"):
+        integer(key, 1)
+    integer("train.warmup", 0)
+    integer("train.seed", 0)
+    integer("train.max_consecutive_skips", 0)
+    number("train.lr", positive=True)
+    number("train.weight_decay", positive=False)
+    number("train.clip_grad_norm", positive=True, none=True)
+    if cfg["train"]["bucket_size"] is not None:
+        integer("train.bucket_size", 1)
+    if cfg["train"]["optimizer"] not in ("zero", "ddp"):
+        fail("train.optimizer", "'zero' or 'ddp'", cfg["train"]["optimizer"])
+    integer("checkpoint.every", 1)
+    integer("checkpoint.keep", 1)
+    if not isinstance(cfg["model"].get("scan", True), bool):
+        fail("model.scan", "true (scanned blocks) or false (unrolled)", cfg["model"]["scan"])
+    if not isinstance(cfg["checkpoint"]["async"], bool):
+        fail("checkpoint.async", "true or false", cfg["checkpoint"]["async"])
+    integer("log_every", 1)
+    if not isinstance(cfg["run_dir"], str) or not cfg["run_dir"]:
+        fail("run_dir", "a directory name", cfg["run_dir"])
+    t = cfg["train"]
+    if t["warmup"] > t["steps"]:
+        raise ConfigError(
+            f"`train.warmup`={t['warmup']} ({sources.get('train.warmup', 'config')}) must be "
+            f"<= `train.steps`={t['steps']} ({sources.get('train.steps', 'config')}): the "
+            "warmup is part of the learning-rate schedule over all steps. Lower the warmup "
+            "or raise the steps."
+        )
+    if cfg["model"]["d_model"] % cfg["model"]["n_heads"]:
+        raise ConfigError(
+            f"`model.d_model`={cfg['model']['d_model']} must be a multiple of "
+            f"`model.n_heads`={cfg['model']['n_heads']}."
+        )
+
+
 def load_config(path: str | None, overrides: argparse.Namespace) -> dict:
+    """DEFAULTS, updated by the YAML file at ``path`` and the command line; checked."""
     cfg = json.loads(json.dumps(DEFAULTS))
+    sources = {}
     if path:
         with open(path) as f:
             user = yaml.safe_load(f) or {}
+        if not isinstance(user, dict):
+            raise ConfigError(f"{path}: must be a mapping of sections, got {_kind(user)}.")
         for key, value in user.items():
-            if isinstance(value, dict):
-                unknown = set(value) - set(cfg.get(key, {}))
+            if isinstance(cfg.get(key), dict):
+                if not isinstance(value, dict):
+                    raise ConfigError(
+                        f"{path}: `{key}` must be a mapping of keys (e.g. `{key}: "
+                        f"{{{next(iter(cfg[key]))}: ...}}`), got {_kind(value)}; its keys "
+                        f"are {sorted(cfg[key])}."
+                    )
+                unknown = set(value) - set(cfg[key])
                 if unknown:
-                    raise ValueError(f"{path}: unknown keys {sorted(unknown)} in `{key}`.")
+                    raise ConfigError(
+                        f"{path}: unknown keys {sorted(unknown)} in `{key}`; known: "
+                        f"{sorted(cfg[key])}."
+                    )
                 cfg[key].update(value)
+                sources.update({f"{key}.{k}": path for k in value})
             elif key in cfg:
                 cfg[key] = value
+                sources[key] = path
             else:
-                raise ValueError(f"{path}: unknown key `{key}`.")
+                raise ConfigError(f"{path}: unknown key `{key}`; known: {sorted(cfg)}.")
     if overrides.steps is not None:
         cfg["train"]["steps"] = overrides.steps
+        sources["train.steps"] = "--steps"
     if overrides.run_dir is not None:
         cfg["run_dir"] = overrides.run_dir
+        sources["run_dir"] = "--run-dir"
     if overrides.checkpoint_every is not None:
         cfg["checkpoint"]["every"] = overrides.checkpoint_every
+        sources["checkpoint.every"] = "--checkpoint-every"
+    _check(cfg, sources)
     return cfg
+
+
+def _flat(cfg: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in cfg.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[prefix + k] = v
+    return out
+
+
+def config_changes(saved: dict, now: dict) -> list[str]:
+    """Keys whose value differs between a saved run's config and this one."""
+    a, b = _flat(saved), _flat(now)
+    return [
+        f"  {k}: saved {a.get(k)!r}, now {b.get(k)!r}"
+        for k in sorted(set(a) | set(b))
+        if k not in RESUMABLE_CHANGES and a.get(k) != b.get(k)
+    ]
+
+
+def prepare_run_dir(run_dir: str, *, resume: bool, overwrite: bool, lead: bool) -> None:
+    """Refuses to start a fresh run over an old one; ``overwrite`` deletes the old one."""
+    ckpt_dir = os.path.join(run_dir, "checkpoints")
+    metrics = os.path.join(run_dir, "metrics.jsonl")
+    old = sorted(os.listdir(ckpt_dir)) if os.path.isdir(ckpt_dir) else []
+    old_metrics = os.path.exists(metrics)
+    if not resume and not overwrite and (old or old_metrics):
+        held = [f"checkpoints {old}"] if old else []
+        held += ["metrics.jsonl"] if old_metrics else []
+        raise ConfigError(
+            f"run dir {run_dir} already holds a run ({', '.join(held)}). Pass --resume to "
+            "continue it, --overwrite to delete its checkpoints and metrics and start "
+            "over, or --run-dir to start in another directory."
+        )
+    if overwrite and lead:
+        shutil.rmtree(ckpt_dir, ignore_errors=True)
+        if old_metrics:
+            os.remove(metrics)
+    os.makedirs(run_dir, exist_ok=True)
+    if jax.process_count() > 1:  # nobody writes before process 0 has cleaned up
+        multihost_utils.sync_global_devices("train_gpt: run dir ready")
 
 
 def build_optimizer(cfg: dict, params) -> tuple:
@@ -146,7 +311,22 @@ def build_optimizer(cfg: dict, params) -> tuple:
             ),
         )
         return tx, (sync if stacked else None), schedule
-    raise ValueError(f"train.optimizer must be 'zero' or 'ddp', got {t['optimizer']!r}.")
+    raise ConfigError(f"`train.optimizer` must be 'zero' or 'ddp', got {t['optimizer']!r}.")
+
+
+RESUME_CHANGED = (
+    "--resume: the run in {run_dir} was saved with another config (saved vs now):\n"
+    "{changes}\nResume with the config it was saved with, or pass --allow-config-change "
+    "to go on with the new one (the saved params and optimizer state are kept; the data "
+    "position and learning-rate schedule follow the new config from step {step})."
+)
+SKIPPING = (
+    "stopping at step {step}: the last {n} steps were all skipped because their gradients "
+    "were not finite (train.max_consecutive_skips={limit}); the loss scale is now "
+    "{scale:g} and the loss {loss}. The run is not training any more: look for NaN/Inf "
+    "in the data or the model, lower train.lr, or resume from the last complete "
+    "checkpoint ({latest}) with other settings."
+)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -159,18 +339,55 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--checkpoint-every", type=int, default=None)
     ap.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
     ap.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="delete the run dir's checkpoints and metrics and start over",
+    )
+    ap.add_argument(
+        "--allow-config-change",
+        action="store_true",
+        help="with --resume: go on with a config that differs from the saved run's",
+    )
+    ap.add_argument(
         "--dump-params", default=None, help="write the final params to this .npz file (process 0)"
     )
     args = ap.parse_args(argv)
+    if args.resume and args.overwrite:
+        ap.error("--resume continues the run in the run dir and --overwrite deletes it: pick one.")
+    if args.allow_config_change and not args.resume:
+        ap.error("--allow-config-change only applies to --resume.")
 
+    cfg = load_config(args.config, args)  # before any JAX work: bad configs fail at once
     info = jaxsync.initialize()
-    cfg = load_config(args.config, args)
     lead = jax.process_index() == 0
     console = Console(quiet=not lead)
+    prepare_run_dir(cfg["run_dir"], resume=args.resume, overwrite=args.overwrite, lead=lead)
+    with jaxsync.Checkpointer(
+        os.path.join(cfg["run_dir"], "checkpoints"),
+        max_to_keep=cfg["checkpoint"]["keep"],
+        async_save=cfg["checkpoint"]["async"],
+    ) as ckpt:
+        if args.resume:
+            saved = ckpt.read_meta().get("config")
+            changes = config_changes(saved, cfg) if saved is not None else []
+            if changes and not args.allow_config_change:
+                raise ConfigError(
+                    RESUME_CHANGED.format(
+                        run_dir=cfg["run_dir"], changes="\n".join(changes), step=ckpt.latest_step()
+                    )
+                )
+            if changes:
+                console.print(
+                    "resuming with a changed config:\n" + "\n".join(changes), markup=False
+                )
+        return train(cfg, args, info, ckpt, console)
+
+
+def train(cfg: dict, args: argparse.Namespace, info, ckpt, console: Console) -> dict:
+    lead = jax.process_index() == 0
     mesh = jax.make_mesh((jax.device_count(),), (AXIS,))
     t = cfg["train"]
     run_dir = cfg["run_dir"]
-    os.makedirs(run_dir, exist_ok=True)
 
     data = gpt.CharData(gpt.make_corpus(seed=t["seed"]), cfg["model"]["seq_len"], t["seed"])
     model_cfg = gpt.GPTConfig(vocab_size=data.vocab_size, **cfg["model"])
@@ -189,6 +406,13 @@ def main(argv: list[str] | None = None) -> dict:
         nnx.replace_by_pure_dict(st, params)
         return gpt.loss_fn(nnx.merge(graphdef, st), tokens, blocks)
 
+    micro = t["microbatches"]
+    if t["global_batch"] % (micro * jax.device_count()):
+        raise ConfigError(
+            f"`train.global_batch`={t['global_batch']} must divide into {micro} microbatches "
+            f"(`train.microbatches`) over {jax.device_count()} devices: make it a multiple "
+            f"of {micro * jax.device_count()}."
+        )
     tx, sync, schedule = build_optimizer(cfg, params)
     zero = t["optimizer"] == "zero"
     if zero:
@@ -197,18 +421,14 @@ def main(argv: list[str] | None = None) -> dict:
     else:
         opt_state = jax.device_put(tx.init(params), NamedSharding(mesh, P()))
         specs = jax.tree.map(lambda _: P(), opt_state)
-
-    micro = t["microbatches"]
-    if t["global_batch"] % (micro * jax.device_count()):
-        raise ValueError(
-            f"train.global_batch={t['global_batch']} must divide into {micro} microbatches "
-            f"over {jax.device_count()} devices."
-        )
     batch_spec = P(None, AXIS) if micro > 1 else P(AXIS)
 
     @partial(jax.jit, donate_argnums=(0, 1))
     @partial(
-        jax.shard_map, mesh=mesh, in_specs=(P(), specs, batch_spec), out_specs=(P(), specs, P())
+        jax.shard_map,
+        mesh=mesh,
+        in_specs=(P(), specs, batch_spec),
+        out_specs=(P(), specs, P(), P()),
     )
     def train_step(params, opt_state, tokens):
         if micro > 1:
@@ -218,13 +438,11 @@ def main(argv: list[str] | None = None) -> dict:
         else:
             loss, grads = jaxsync.value_and_grad(loss_fn, axis_name=AXIS, sync=sync)(params, tokens)
         updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, jax.lax.pmean(loss, AXIS)
+        # Returned on its own: the state is donated to the next step before it is read.
+        skipped = opt_state.metrics.skipped if zero else jnp.zeros((), bool)
+        loss = jax.lax.pmean(loss, AXIS)
+        return optax.apply_updates(params, updates), opt_state, loss, skipped
 
-    ckpt = jaxsync.Checkpointer(
-        os.path.join(run_dir, "checkpoints"),
-        max_to_keep=cfg["checkpoint"]["keep"],
-        async_save=cfg["checkpoint"]["async"],
-    )
     start = 0
     if args.resume:
         r = ckpt.restore(
@@ -232,6 +450,7 @@ def main(argv: list[str] | None = None) -> dict:
             tx=tx if zero else None,
             opt_state_like=None if zero else opt_state,
             mesh=mesh,
+            allow_optimizer_change=args.allow_config_change,
         )
         params, opt_state, start = r.params, r.opt_state, int(r.meta["data_position"])
         console.print(f"resumed from step {r.step} (next batch {start}) in {ckpt.directory}")
@@ -251,6 +470,24 @@ def main(argv: list[str] | None = None) -> dict:
     metrics_path = os.path.join(run_dir, "metrics.jsonl")
     loss = None
     history = []
+    skips, limit = 0, t["max_consecutive_skips"]
+
+    def count_skip(step: int, skipped: jax.Array, loss: jax.Array) -> None:
+        nonlocal skips
+        skips = skips + 1 if bool(skipped) else 0
+        if limit and skips >= limit:
+            scale = float(opt_state.loss_scale.scale) if zero else 1.0
+            raise RunStopped(
+                SKIPPING.format(
+                    step=step,
+                    n=skips,
+                    limit=limit,
+                    scale=scale,
+                    loss=float(loss),
+                    latest=ckpt.latest_step(),
+                )
+            )
+
     progress = Progress(
         TextColumn("[bold]step {task.completed}/{task.total}"),
         BarColumn(),
@@ -262,13 +499,17 @@ def main(argv: list[str] | None = None) -> dict:
     with progress:
         task = progress.add_task("train", total=t["steps"], completed=start, loss="-", tps="-")
         tick, last_logged = time.perf_counter(), start
+        previous = None  # the last step's skip flag, read one step late: no wait on the device
         for step in range(start, t["steps"]):
             local = data.batch(step, t["global_batch"], rows)
             if micro > 1:
                 local = local.reshape(micro, -1, local.shape[-1])
             batch = jaxsync.shard_batch(local, mesh, axis_name=AXIS, batch_axis=int(micro > 1))
-            params, opt_state, loss = train_step(params, opt_state, batch)
+            params, opt_state, loss, skipped = train_step(params, opt_state, batch)
             done = step + 1
+            if previous is not None:
+                count_skip(*previous)
+            previous = (done, skipped, loss)
             if done % cfg["log_every"] == 0 or done == t["steps"]:
                 loss_v = float(loss)
                 now = time.perf_counter()
@@ -301,7 +542,9 @@ def main(argv: list[str] | None = None) -> dict:
                     mesh=mesh,
                     meta={"data_position": done, "config": cfg},
                 )
-    ckpt.close()
+        if previous is not None:
+            count_skip(*previous)
+    ckpt.wait()
     if args.dump_params and lead:
         flat = {
             jaxsync.param_name(p): np.asarray(x.addressable_data(0))
@@ -317,4 +560,9 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except (ConfigError, RunStopped, FileNotFoundError, jaxsync.CheckpointMismatchError) as e:
+        # What the user has to fix, without a traceback through the trainer.
+        Console(stderr=True).print(f"error: {e}", highlight=False, markup=False)
+        sys.exit(2 if isinstance(e, ConfigError) else 1)

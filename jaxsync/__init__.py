@@ -2,6 +2,8 @@
 
 from jaxsync._src.axes import normalize_axes as normalize_axes
 from jaxsync._src.checkpoint import Checkpointer as Checkpointer
+from jaxsync._src.checkpoint import CheckpointMismatchError as CheckpointMismatchError
+from jaxsync._src.checkpoint import CorruptCheckpointError as CorruptCheckpointError
 from jaxsync._src.checkpoint import Restored as Restored
 from jaxsync._src.checks import nonfinite_report as nonfinite_report
 from jaxsync._src.clip import clip_by_global_norm as clip_by_global_norm
@@ -58,8 +60,10 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Bucket",
+    "CheckpointMismatchError",
     "Checkpointer",
     "CollectiveSite",
+    "CorruptCheckpointError",
     "CollectiveStats",
     "DataParallel",
     "DistributedOptimizer",

@@ -1,4 +1,8 @@
 import os
+import re
+import shutil
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -191,3 +195,246 @@ def test_conversion_compiles_once_per_model_and_mesh(setup):
     assert not np.array_equal(
         np.asarray(first["master"]["layer0.w"]), np.asarray(second["master"]["layer0.w"])
     )
+
+
+# ---------------------------------------------------------------- no silent wrong answers
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """Step 1 saved on 2 ranks with a dynamic loss scale (read-only for the tests)."""
+    params = mlp_params(jax.random.PRNGKey(0), dtype=jnp.bfloat16)
+    tx = jaxsync.distributed_optimizer(
+        optax.adam(5e-3), axis_name="data", loss_scale=jaxsync.DynamicLossScale(4096.0)
+    )
+    m = mesh_of(2)
+    state = tx.sharded_init(params, m)
+    d = tmp_path_factory.mktemp("saved")
+    with jaxsync.Checkpointer(d, async_save=False) as ck:
+        ck.save(1, params=params, opt_state=state, tx=tx, mesh=m, meta={"data_position": 1})
+    return d, params, tx, m, state
+
+
+@pytest.mark.parametrize(
+    "now, words",
+    [
+        (dict(), ["loss_scale", '"kind": "dynamic"', '"initial_scale": 4096.0', '"none"']),
+        (dict(loss_scale=2.0), ["loss_scale", '"constant"']),
+        (
+            dict(loss_scale=jaxsync.DynamicLossScale(4096.0), clip_grad_norm=0.5),
+            ["clip_grad_norm: saved null, now 0.5"],
+        ),
+        (
+            dict(loss_scale=jaxsync.DynamicLossScale(4096.0), inner=optax.adamw(5e-3)),
+            ["inner optimizer state for label 'all'", "EmptyState"],
+        ),
+        (
+            dict(
+                loss_scale=jaxsync.DynamicLossScale(4096.0),
+                inner={"a": optax.adam(5e-3), "b": optax.adam(5e-3)},
+                labels=lambda p: jax.tree.map(lambda x: "a" if x.ndim > 1 else "b", p),
+            ),
+            ["labels: saved null", "inner optimizer state for label 'a'"],
+        ),
+    ],
+)
+def test_restore_into_another_optimizer_is_refused(saved, now, words):
+    d, params, _, m, _ = saved
+    inner = now.pop("inner", optax.adam(5e-3))
+    tx = jaxsync.distributed_optimizer(inner, axis_name="data", **now)
+    with (
+        jaxsync.Checkpointer(d) as ck,
+        pytest.raises(jaxsync.CheckpointMismatchError) as e,
+    ):
+        ck.restore(params_like=params, tx=tx, mesh=m)
+    msg = str(e.value)
+    assert "step 1" in msg and "saved vs now" in msg and "allow_optimizer_change=True" in msg
+    for w in words:
+        assert w in msg, msg
+
+
+def test_allowed_optimizer_change_restarts_the_loss_scale(saved):
+    d, params, _, m, state = saved
+    # Another bucket size and DP size are no change: checkpoints reshard.
+    same = jaxsync.distributed_optimizer(
+        optax.adam(5e-3),
+        axis_name="data",
+        loss_scale=jaxsync.DynamicLossScale(4096.0),
+        bucket_size=64,
+    )
+    with jaxsync.Checkpointer(d) as ck:
+        r = ck.restore(params_like=params, tx=same, mesh=mesh_of(4))
+        assert float(r.opt_state.loss_scale.scale) == 4096.0
+        plain = jaxsync.distributed_optimizer(optax.adam(5e-3), axis_name="data")
+        r = ck.restore(params_like=params, tx=plain, mesh=m, allow_optimizer_change=True)
+    assert float(r.opt_state.loss_scale.scale) == 1.0  # not the saved 4096
+    np.testing.assert_array_equal(np.asarray(r.opt_state.master[0]), np.asarray(state.master[0]))
+
+
+def test_restore_without_tx_says_what_to_pass(saved):
+    d, params, tx, m, _ = saved
+    with jaxsync.Checkpointer(d) as ck:
+        with pytest.raises(ValueError, match=r"step 1 .* `tx=` .* `mesh=`"):
+            ck.restore(params_like=params)
+        with pytest.raises(ValueError, match=r"needs `mesh=`"):
+            ck.restore(params_like=params, tx=tx)
+
+
+def test_saving_an_old_step_is_refused(tmp_path, setup):
+    params, tx, _ = setup
+    m = mesh_of(2)
+    state = tx.sharded_init(params, m)
+    with jaxsync.Checkpointer(tmp_path / "c") as ck:
+        ck.save(2, params=params, opt_state=state, tx=tx, mesh=m)
+        # The save of step 2 may still be in flight: it counts.
+        for step in (2, 1):
+            with pytest.raises(ValueError, match=f"cannot save step {step} .* holds step 2.*fresh"):
+                ck.save(step, params=params, opt_state=state, tx=tx, mesh=m)
+    with (
+        jaxsync.Checkpointer(tmp_path / "c") as again,
+        pytest.raises(ValueError, match="--overwrite"),
+    ):
+        again.save(2, params=params, opt_state=state, tx=tx, mesh=m)
+    assert jaxsync.Checkpointer(tmp_path / "c").all_steps() == [2]
+
+
+def test_meta_that_is_not_json_is_refused_at_save(tmp_path, setup):
+    params, tx, _ = setup
+    m = mesh_of(2)
+    state = tx.sharded_init(params, m)
+    with jaxsync.Checkpointer(tmp_path / "c") as ck:
+        with pytest.raises(
+            TypeError, match=r"meta\['data_position'\] is .*3.* of type .*int64.*int\(x\)"
+        ):
+            ck.save(
+                1,
+                params=params,
+                opt_state=state,
+                tx=tx,
+                mesh=m,
+                meta={"data_position": np.int64(3)},
+            )
+        with pytest.raises(TypeError, match=r"meta\['config'\]\['lr'\]"):
+            ck.save(
+                1,
+                params=params,
+                opt_state=state,
+                tx=tx,
+                mesh=m,
+                meta={"config": {"lr": jnp.float32(1.0)}},
+            )
+    assert not (tmp_path / "c" / "1").exists()
+
+
+def _flip(path, pos):
+    data = bytearray(path.read_bytes())
+    data[pos] ^= 0x5A
+    path.write_bytes(bytes(data))
+
+
+# Orbax leaves a callback on its closed event loop when a restore fails: harmless.
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_flipped_bytes_are_detected(tmp_path, saved):
+    d, params, tx, m, _ = saved
+    with jaxsync.Checkpointer(d) as ck:
+        good = ck.restore(params_like=params, tx=tx, mesh=m)
+    good = jax.tree.leaves((good.params, good.opt_state))
+    # Orbax's chunks are compressed without a checksum: some flips fail to decode,
+    # others decode to other numbers, others land in bytes never read. None may
+    # restore other numbers silently. Flip one byte at a time, largest files (the
+    # array data) first, until one decodes to other numbers.
+    files = sorted(
+        (p for p in (d / "1" / "state").rglob("*") if p.is_file() and p.parent.name == "d"),
+        key=lambda p: (-p.stat().st_size, p.name),
+    )
+    outcomes = []
+    for i, f in enumerate(files):
+        for frac in (0.5, 0.25, 0.75, 0.1, 0.9):
+            copy = tmp_path / f"{i}-{frac}"
+            shutil.copytree(d, copy)
+            _flip(copy / f.relative_to(d), int(f.stat().st_size * frac))
+            with jaxsync.Checkpointer(copy) as ck:
+                try:
+                    r = ck.restore(params_like=params, tx=tx, mesh=m)
+                except jaxsync.CorruptCheckpointError as e:
+                    outcomes.append(str(e))
+                    continue
+            for a, b in zip(good, jax.tree.leaves((r.params, r.opt_state)), strict=True):
+                np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+            outcomes.append("unchanged")
+        if any("differ from what was saved" in o for o in outcomes):
+            break
+    caught = [o for o in outcomes if "differ from what was saved" in o]
+    assert caught, outcomes
+    assert re.search(
+        r"step 1 .* is damaged.*\n  (params|opt_state)\.\S+: [0-9a-f]{16} ->", caught[0]
+    )
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_unreadable_files_name_the_step_and_file(tmp_path, setup):
+    params, tx, _ = setup
+    m = mesh_of(2)
+    state = tx.sharded_init(params, m)
+    with jaxsync.Checkpointer(tmp_path / "c") as ck:
+        for step in (1, 2):
+            ck.save(step, params=params, opt_state=state, tx=tx, mesh=m, meta={"step": step})
+    (tmp_path / "c" / "2" / "meta" / "metadata").write_text('{"step": 2')  # truncated JSON
+    with (
+        jaxsync.Checkpointer(tmp_path / "c") as ck,
+        pytest.raises(jaxsync.CorruptCheckpointError) as e,
+    ):
+        ck.restore(params_like=params, tx=tx, mesh=m)
+    msg = str(e.value)
+    assert "step 2" in msg and "meta (JSON)" in msg and "/c/2/meta" in msg
+    assert "other complete steps: [1]" in msg
+    for f in (tmp_path / "c" / "1" / "state").rglob("*"):  # truncate every array file
+        if f.is_file() and f.parent.name == "d":
+            f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    with (
+        jaxsync.Checkpointer(tmp_path / "c") as ck,
+        pytest.raises(
+            jaxsync.CorruptCheckpointError, match=r"step 1 .* could not be read.*c/1/state"
+        ),
+    ):
+        ck.restore(params_like=params, tx=tx, mesh=m, step=1)
+
+
+UNCLOSED = """
+import sys
+import jax, jax.numpy as jnp
+import jaxsync
+ck = jaxsync.Checkpointer(sys.argv[1])  # asynchronous; never closed
+ck.save(7, params={"w": jnp.arange(1000.0)}, opt_state={}, meta={"pos": 7})
+"""
+
+
+def test_unclosed_async_save_is_finished_at_exit(tmp_path):
+    script = tmp_path / "unclosed.py"
+    script.write_text(UNCLOSED)
+    out = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "c")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert sorted(os.listdir(tmp_path / "c")) == ["7"]  # no *.orbax-checkpoint-tmp left
+    with jaxsync.Checkpointer(tmp_path / "c") as ck:
+        r = ck.restore(params_like={"w": jnp.zeros(1000)}, opt_state_like={})
+    assert r.step == 7 and r.meta == {"pos": 7}
+    np.testing.assert_array_equal(r.params["w"], np.arange(1000.0))
+
+
+def test_label_differences_name_each_param_and_leave_model_changes_alone():
+    from jaxsync._src.describe import DISTRIBUTED, optimizer_differences
+
+    saved = {"kind": DISTRIBUTED, "labels": {"a.w": "decay", "a.b": "no_decay", "gone": "x"}}
+    now = {"kind": DISTRIBUTED, "labels": {"a.w": "no_decay", "a.b": "no_decay", "new": "y"}}
+    assert optimizer_differences(saved, now) == [
+        "  labels differ for 1 param(s): a.w: decay -> no_decay"
+    ]
+    assert optimizer_differences(saved, {**saved, "kind": "optax"}) == [
+        f"  optimizer: saved from {DISTRIBUTED}, restoring into optax"
+    ]

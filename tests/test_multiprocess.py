@@ -150,5 +150,6 @@ def test_launcher_stops_everyone_when_one_fails(tmp_path):
     )
     assert out.returncode == 3
     assert "[1] rank one gives up" in out.stdout
-    assert "process 1 exited with code 3; stopping the other 2" in out.stderr
+    assert "process 1 failed first: it exited with code 3" in out.stderr
+    assert "stopping process(es) [0, 2]" in out.stderr
     assert time.time() - t0 < 30

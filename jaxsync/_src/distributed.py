@@ -6,20 +6,33 @@ environment; on a cluster that JAX knows (SLURM, Open MPI, Kubernetes...) it
 lets JAX detect the coordinator and ranks; explicit arguments win over both.
 On CPU it selects gloo collectives, without which cross-process CPU
 collectives are not available.
+
+In a multi-process run, an exception that nobody catches ends the process at
+once (after printing it): JAX's shutdown at exit waits for every other process,
+so a failed process would otherwise stay alive until the others time out, and
+neither the launcher nor the cluster could tell which one failed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import sys
 from collections.abc import Sequence
+from types import TracebackType
 from typing import NamedTuple
 
 import jax
+
+from .launched import report_to_launcher
 
 #: Environment variables set by ``python -m jaxsync.launch`` for each process.
 ENV_COORDINATOR = "JAXSYNC_COORDINATOR"
 ENV_NUM_PROCESSES = "JAXSYNC_NUM_PROCESSES"
 ENV_PROCESS_ID = "JAXSYNC_PROCESS_ID"
+#: The launcher's directory, where each process reports that it joined and progresses.
+ENV_LAUNCH_DIR = "JAXSYNC_LAUNCH_DIR"
+
 
 # Variables whose presence means a cluster launched us with several tasks.
 _CLUSTER_HINTS = {
@@ -55,6 +68,7 @@ def initialize(
     *,
     local_device_ids: Sequence[int] | None = None,
     cpu_collectives: str = "gloo",
+    exit_on_error: bool = True,
 ) -> ProcessInfo:
     """Starts JAX's multi-process runtime when this is a multi-process run.
 
@@ -65,6 +79,10 @@ def initialize(
       process_id: this process's rank.
       local_device_ids: restrict this process to these local devices.
       cpu_collectives: CPU collectives implementation for cross-process runs.
+      exit_on_error: in a multi-process run, end this process right after an
+        uncaught exception is printed (exit code 1, 130 for Ctrl-C) instead of
+        waiting in JAX's shutdown for the other processes. Checkpoint saves
+        still in flight are not finished then (the last complete one stays).
 
     Returns:
       A :class:`ProcessInfo`; ``how`` says which path was taken.
@@ -99,10 +117,34 @@ def initialize(
                     process_id=process_id,
                     local_device_ids=local_device_ids,
                 )
-    return ProcessInfo(
+    info = ProcessInfo(
         jax.process_index(),
         jax.process_count(),
         jax.local_device_count(),
         jax.device_count(),
         how,
     )
+    if exit_on_error and info.num_processes > 1:
+        _exit_on_uncaught_exception()
+    launch_dir = os.environ.get(ENV_LAUNCH_DIR)
+    if how == "jaxsync.launch" and launch_dir:
+        report_to_launcher(launch_dir, info.process_id)
+    return info
+
+
+def _exit_on_uncaught_exception() -> None:
+    previous = sys.excepthook
+    if getattr(previous, "_jaxsync_exits", False):
+        return
+
+    def hook(kind: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
+        try:
+            previous(kind, value, tb)
+        finally:
+            for stream in (sys.stdout, sys.stderr):
+                with contextlib.suppress(Exception):  # a closed stream must not keep us
+                    stream.flush()
+            os._exit(130 if issubclass(kind, KeyboardInterrupt) else 1)
+
+    hook._jaxsync_exits = True  # type: ignore[attr-defined]
+    sys.excepthook = hook

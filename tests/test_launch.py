@@ -1,0 +1,216 @@
+"""The local launcher: bad arguments, scripts that never join, failed, stalled and
+signalled jobs. The scripts are tiny; the ones that start JAX's multi-process
+runtime are marked ``multiprocess``."""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from jaxsync import launch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def script(tmp_path, body, name="job.py"):
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(body))
+    return str(path)
+
+
+def run_launcher(*args, timeout=120):
+    t0 = time.monotonic()
+    out = subprocess.run(
+        [sys.executable, "-m", "jaxsync.launch", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )
+    return out, time.monotonic() - t0
+
+
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["--nproc", "0"], "`--nproc` must be an integer >= 1, got 0"),
+        (
+            ["--nproc", "2", "--devices-per-proc", "0"],
+            "`--devices-per-proc` must be an integer >= 1",
+        ),
+        (["--nproc", "2", "--devices-per-proc", "-1"], "got -1"),
+        (["--nproc", "2", "--grace", "-1"], "`--grace` must be >= 0"),
+        (["--nproc", "2", "--timeout", "0"], "`--timeout` must be positive"),
+        (["--nproc", "2", "--stall-timeout", "-5"], "`--stall-timeout` must be >= 0"),
+    ],
+)
+def test_bad_arguments_are_rejected(capsys, args, words):
+    with pytest.raises(SystemExit) as e:
+        launch.main([*args, "never_started.py"])
+    assert e.value.code == 2
+    assert words in capsys.readouterr().err
+
+
+# Pretends to have called jaxsync.initialize() (without starting JAX, to stay fast).
+JOINS = """
+import os
+rank = int(os.environ["JAXSYNC_PROCESS_ID"])
+open(os.path.join(os.environ["JAXSYNC_LAUNCH_DIR"], f"connected.{rank}"), "w").close()
+"""
+
+
+def test_script_without_initialize_is_reported(tmp_path):
+    alone = script(
+        tmp_path, "import os; print('training alone as rank', os.environ['JAXSYNC_PROCESS_ID'])"
+    )
+    out, _ = run_launcher("--nproc", "2", alone)
+    assert out.returncode == 1
+    assert re.search(
+        r"process \d exited with code 0 without calling jaxsync.initialize\(\)", out.stderr
+    )
+    assert "one of 2 processes" in out.stderr
+
+
+def test_early_finish_is_reported(tmp_path):
+    body = JOINS + "import time\nif rank == 0:\n    time.sleep(2)\n"
+    out, _ = run_launcher("--nproc", "2", script(tmp_path, body))
+    assert out.returncode == 0, out.stderr
+    assert re.search(
+        r"process 1 finished \(exit code 0\) after .* while process\(es\) \[0\] still run",
+        out.stderr,
+    )
+
+
+def test_first_failure_is_blamed_without_initialize(tmp_path):
+    # Rank 2 fails later than rank 1: the first failure is the one reported.
+    body = JOINS + textwrap.dedent("""
+        import sys, time
+        if rank == 1:
+            sys.exit(3)
+        if rank == 2:
+            time.sleep(0.5)
+            sys.exit(4)
+        time.sleep(120)
+    """)
+    out, secs = run_launcher("--nproc", "3", "--grace", "1", script(tmp_path, body))
+    assert out.returncode == 3
+    assert "process 1 failed first: it exited with code 3" in out.stderr
+    assert secs < 30
+
+
+JAX_JOB = """
+import os, sys, time
+import jax, jax.numpy as jnp
+import jaxsync
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+rank = os.environ["JAXSYNC_PROCESS_ID"]
+open(os.path.join(sys.argv[2], f"pid.{rank}"), "w").write(str(os.getpid()))
+jaxsync.initialize()
+rank, mode = jax.process_index(), sys.argv[1]
+mesh = jax.make_mesh((jax.device_count(),), ("d",))
+x = jax.make_array_from_process_local_data(NamedSharding(mesh, P("d")), jnp.ones((1,)))
+total = jax.jit(jnp.sum)
+print("first sum", total(x), flush=True)  # gloo is connected from here on
+if rank == 1 and mode == "raise":
+    raise RuntimeError("rank one gives up")
+if rank == 1 and mode == "stall":
+    time.sleep(600)  # alive, but never reaches the next collective
+if mode == "wait":
+    time.sleep(600)
+print("second sum", total(x * 2), flush=True)
+"""
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _pids(d):
+    return [int((d / f"pid.{r}").read_text()) for r in range(2)]
+
+
+@pytest.mark.multiprocess
+def test_raising_rank_is_blamed_and_the_job_ends_promptly(tmp_path):
+    job = script(tmp_path, JAX_JOB)
+    out, secs = run_launcher(
+        "--nproc", "2", "--devices-per-proc", "1", "--grace", "1", job, "raise", str(tmp_path)
+    )
+    assert out.returncode == 1
+    assert "[1] RuntimeError: rank one gives up" in out.stdout
+    assert "process 1 failed first: it exited with code 1" in out.stderr
+    assert "stopping process(es) [0]" in out.stderr
+    assert secs < 25, secs  # before: rank 1 waited in JAX's shutdown, rank 0 in gloo
+    assert not any(_alive(p) for p in _pids(tmp_path))
+
+
+@pytest.mark.multiprocess
+def test_stalled_rank_ends_the_job_and_is_shown(tmp_path):
+    job = script(tmp_path, JAX_JOB)
+    out, secs = run_launcher(
+        "--nproc",
+        "2",
+        "--devices-per-proc",
+        "1",
+        "--grace",
+        "1",
+        "--stall-timeout",
+        "4",
+        job,
+        "stall",
+        str(tmp_path),
+    )
+    assert out.returncode == 124, out.stderr
+    msg = out.stderr
+    assert "no progress for 4s (--stall-timeout) in process(es) [0, 1]" in msg
+    assert re.search(r"process 1 at .*job\.py:\d+ in <module>", msg)
+    assert "[1] " in out.stdout and "Thread" in out.stdout  # the stacks, from faulthandler
+    assert secs < 40, secs
+    assert not any(_alive(p) for p in _pids(tmp_path))
+
+
+@pytest.mark.multiprocess
+def test_sigterm_to_the_launcher_stops_every_process(tmp_path):
+    job = script(tmp_path, JAX_JOB)
+    launcher = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "jaxsync.launch",
+            "--nproc",
+            "2",
+            "--devices-per-proc",
+            "1",
+            "--grace",
+            "1",
+            job,
+            "wait",
+            str(tmp_path),
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )
+    deadline = time.monotonic() + 90
+    while not all((tmp_path / f"pid.{r}").exists() for r in range(2)):
+        assert time.monotonic() < deadline and launcher.poll() is None
+        time.sleep(0.1)
+    pids = _pids(tmp_path)
+    time.sleep(1.0)
+    launcher.send_signal(signal.SIGTERM)
+    stdout, stderr = launcher.communicate(timeout=30)
+    assert launcher.returncode == 128 + signal.SIGTERM
+    assert "received SIGTERM; passed it on to processes [0, 1]" in stderr
+    assert not any(_alive(p) for p in pids)  # before: both kept running, orphaned
