@@ -172,8 +172,9 @@ def test_stalled_rank_ends_the_job_and_is_shown(tmp_path):
     )
     assert out.returncode == 124, out.stderr
     msg = out.stderr
-    assert "no progress for 4s (--stall-timeout) in process(es) [0, 1]" in msg
-    assert re.search(r"process 1 at .*job\.py:\d+ in <module>", msg)
+    # both ranks stall; under load the launcher may see one cross the limit first
+    assert re.search(r"no progress for 4s \(--stall-timeout\) in process\(es\) \[(0|1|0, 1)\]", msg)
+    assert re.search(r"process [01] at .*job\.py:\d+ in <module>", msg)
     assert "[1] " in out.stdout and "Thread" in out.stdout  # the stacks, from faulthandler
     assert secs < 40, secs
     assert not any(_alive(p) for p in _pids(tmp_path))

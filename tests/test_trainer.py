@@ -128,7 +128,7 @@ def test_overwrite_starts_over(tmp_path):
 
 def test_a_run_that_skips_every_step_stops(tmp_path, monkeypatch):
     real = train_gpt.gpt.loss_fn
-    monkeypatch.setattr(train_gpt.gpt, "loss_fn", lambda m, t: real(m, t) * jnp.inf)
+    monkeypatch.setattr(train_gpt.gpt, "loss_fn", lambda m, t, *a: real(m, t, *a) * jnp.inf)
     cfg = yaml_with(tmp_path, train={"max_consecutive_skips": 3}, checkpoint={"every": 100})
     with pytest.raises(train_gpt.RunStopped) as e:
         train_gpt.main(["--config", cfg, "--run-dir", str(tmp_path / "run"), "--steps", "10"])

@@ -118,7 +118,7 @@ def _run_ranks(
     for name in reversed(axes or (None,)):
         fn = jax.vmap(fn, axis_name=name)
     split = lambda t: jax.tree.map(lambda x: x.reshape(shape + x.shape[1:]), t)  # noqa: E731
-    out = fn(split(params), [split(g) for g in grads])
+    out = jax.jit(fn)(split(params), [split(g) for g in grads])
     return [[np.asarray(u).reshape(n, -1) for u in step] for step in out]
 
 
@@ -251,8 +251,10 @@ def _probe_cached(
 
 
 def _cpu() -> Any:
+    # A device of this process: with several processes, jax.devices() lists the
+    # others' devices too, and a value placed there cannot be read back here.
     try:
-        return jax.devices("cpu")[0]
+        return jax.local_devices(backend="cpu")[0]
     except RuntimeError:  # no CPU backend: probe on the default device
         return None
 
