@@ -209,6 +209,10 @@ def check_scanned(ns: dict, ctx: SimpleNamespace) -> None:
     report = jaxsync.overlap_report(compiled.compile())
     in_loop = report.in_loop(kind="reduce-scatter", role="backward")
     assert in_loop and all(c.trip_count == LAYERS for c in in_loop), report
+    # the README's sample of a report has the columns and rule line of the real one
+    (sample,) = [b.code.strip().splitlines() for b in BLOCKS if b.code.strip().startswith("name ")]
+    real = str(report).splitlines()
+    assert sample[0].split() == real[0].split() and set(sample[1]) == set(real[1]) == {"-", " "}
 
 
 RULES_AXES = ("data", "expert", "pipe", "tensor")
