@@ -1,0 +1,553 @@
+"""Every Python block of README.md runs, so the README cannot rot.
+
+The blocks run in README order in one shared namespace, as a reader goes through
+them: the first block's imports and ``mesh`` serve the later ones. What the
+README leaves to the reader (a model, a batch: "params, loss_fn and batch are
+your model and data") comes from a *setup* named by an HTML comment right
+before the block, ``<!-- readme-test: NAME -->``; after the block, NAME's
+*check* asserts what the block claims (the step ran, loss finite, params equal
+to the same optimizer on one device, a restore gave back what was saved).
+
+Directives, each on the line right before a fence:
+
+- ``<!-- readme-test: NAME -->``: run with ``SPECS[NAME]``'s setup and check.
+- ``<!-- readme-test: raises ValueError -->`` (optionally after NAME): the block
+  must raise this exception (a builtin or a ``jaxsync`` name).
+- ``<!-- not run: REASON -->``: the block is skipped, and reported with REASON.
+
+A Python block without a directive runs too, with no setup. Running one block
+alone (``pytest -k``) runs the blocks before it first, since it continues them.
+"""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+import dataclasses
+import importlib.util
+import re
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from conftest import require_devices
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxsync
+from jaxsync._src import distributed
+from tests.helpers import mlp_loss, mlp_params, scanned_params
+
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+ROWS = 16  # global batch: 2 rows per simulated device
+
+_FENCE = re.compile(r"^```\s*([\w+-]*)\s*$")
+_DIRECTIVE = re.compile(r"^<!--\s*(readme-test|not run)\s*:\s*(.*?)\s*-->\s*$")
+
+
+# ------------------------------------------------------------------- parsing
+@dataclasses.dataclass(frozen=True)
+class Block:
+    """One fenced block of the README."""
+
+    line: int  # 1-based line of the opening fence
+    lang: str
+    code: str
+    name: str | None = None  # SPECS key from `<!-- readme-test: NAME -->`
+    raises: str | None = None  # `<!-- readme-test: raises Exc -->`
+    not_run: str | None = None  # reason from `<!-- not run: REASON -->`
+
+    @property
+    def id(self) -> str:
+        return f"line{self.line}" + (f"-{self.name}" if self.name else "")
+
+
+def parse_readme(text: str) -> list[Block]:
+    blocks, lines, i = [], text.splitlines(), 0
+    while i < len(lines):
+        m = _FENCE.match(lines[i])
+        if not m:
+            i += 1
+            continue
+        start = i
+        end = next((j for j in range(i + 1, len(lines)) if lines[j].strip() == "```"), None)
+        if end is None:
+            raise ValueError(f"README.md:{start + 1}: code block never closed")
+        # Line numbers of the code stay those of the README, for tracebacks.
+        code = "\n" * (start + 1) + "\n".join(lines[start + 1 : end]) + "\n"
+        kwargs: dict[str, Any] = {}
+        d = _DIRECTIVE.match(lines[start - 1]) if start else None
+        if d and d[1] == "not run":
+            kwargs["not_run"] = d[2]
+        elif d:
+            words = d[2].split()
+            if "raises" in words:
+                k = words.index("raises")
+                if k + 2 != len(words):
+                    raise ValueError(f"README.md:{start}: write `raises ExceptionName` last")
+                kwargs["raises"] = words[k + 1]
+                words = words[:k]
+            if len(words) > 1:
+                raise ValueError(f"README.md:{start}: one name per directive, got {d[2]!r}")
+            kwargs["name"] = words[0] if words else None
+        blocks.append(Block(start + 1, m[1].lower(), code, **kwargs))
+        i = end + 1
+    return blocks
+
+
+BLOCKS = parse_readme(README.read_text())
+PYTHON = [b for b in BLOCKS if b.lang in ("python", "py")]
+
+
+# --------------------------------------------------------------- the helpers
+def close(a: Any, b: Any, rtol: float = 1e-5, atol: float = 1e-6) -> None:
+    jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=rtol, atol=atol), a, b)
+
+
+def changed(a: Any, b: Any) -> bool:
+    return any(
+        not np.array_equal(x, y)
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
+    )
+
+
+def one_step(opt: optax.GradientTransformation, loss_fn: Callable, params: Any, batch: Any) -> Any:
+    """The reference: one step of ``opt`` on one device, on the whole batch."""
+
+    @jax.jit
+    def step(params, batch):
+        grads = jax.grad(loss_fn)(params, batch)
+        updates, _ = opt.update(grads, opt.init(params), params)
+        return optax.apply_updates(params, updates)
+
+    return step(jax.device_get(params), batch)  # off the mesh the step's outputs are on
+
+
+def normal(seed: int, *shape: int, scale: float = 1.0) -> jax.Array:
+    """numpy randomness: jax.random would compile one XLA program per shape."""
+    return jnp.asarray(scale * np.random.default_rng(seed).standard_normal(shape), jnp.float32)
+
+
+def random_like(init: Callable, seed: int) -> Any:
+    """Random params shaped like the test helper ``init(key)`` builds them."""
+    shapes = jax.eval_shape(init, jax.ShapeDtypeStruct((2,), jnp.uint32))
+    leaves, treedef = jax.tree.flatten(shapes)
+    scaled = [normal(seed + i, *x.shape, scale=0.5) for i, x in enumerate(leaves)]
+    return jax.tree.unflatten(treedef, scaled)
+
+
+def shard_fraction(x: jax.Array) -> float:
+    """The part of ``x`` that one device holds."""
+    return x.addressable_shards[0].data.size / x.size
+
+
+# ------------------------------------------------------- setups and checks
+# Each block's setup adds what the README's prose describes but does not spell
+# out; its check asserts what the block claims. ``ctx`` keeps values between them.
+
+
+def setup_ddp(ns: dict, ctx: SimpleNamespace) -> None:
+    ns["params"] = random_like(mlp_params, 0)
+    ns["loss_fn"] = mlp_loss
+    ns["batch"] = (normal(100, ROWS, 12), normal(101, ROWS, 5))
+    ctx.params = ns["params"]
+
+
+def check_ddp(ns: dict, ctx: SimpleNamespace) -> None:
+    # The pmean of local losses is the global batch's loss, and the step is the
+    # README's optax optimizer on one device, on the whole batch.
+    np.testing.assert_allclose(ns["loss"], mlp_loss(ctx.params, ns["batch"]), rtol=1e-5)
+    close(ns["params"], one_step(ns["tx"], mlp_loss, ctx.params, ns["batch"]))
+    assert changed(ns["params"], ctx.params)
+
+
+def setup_zero(ns: dict, ctx: SimpleNamespace) -> None:
+    ctx.params = ns["params"]
+
+
+def check_zero(ns: dict, ctx: SimpleNamespace) -> None:
+    state = ns["opt_state"]
+    assert isinstance(state, jaxsync.DistributedOptimizerState)
+    assert all(shard_fraction(m) == 1 / 8 for m in state.master)  # ZeRO: 1/N per device
+    np.testing.assert_allclose(ns["loss"], mlp_loss(ctx.params, ns["batch"]), rtol=1e-5)
+    # the README's settings: adam(3e-4), clip_grad_norm=1.0
+    ref = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(3e-4))
+    close(ns["params"], one_step(ref, mlp_loss, ctx.params, ns["batch"]))
+    assert changed(ns["params"], ctx.params)
+    # the checkpoint example continues this training run
+    ctx.zero = {k: ns[k] for k in ("params", "opt_state", "tx", "mesh", "step", "batch", "loss_fn")}
+
+
+LAYERS = 4
+
+
+def setup_scanned(ns: dict, ctx: SimpleNamespace) -> None:
+    ns["params"] = random_like(partial(scanned_params, layers=LAYERS), 10)
+    ns["batch"] = (normal(102, ROWS, 5), normal(103, ROWS, 3))
+    ctx.params = ns["params"]
+
+
+def check_scanned(ns: dict, ctx: SimpleNamespace) -> None:
+    loss_fn, batch, mesh = ns["loss_fn"], ns["batch"], ns["mesh"]
+    # the README's settings: adamw(3e-4), clip_grad_norm=1.0; tap is the identity here
+    ref = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(3e-4))
+    close(ns["params"], one_step(ref, loss_fn, ctx.params, batch))
+    assert changed(ns["params"], ctx.params)
+    # the stacked state is [L, shard] and each layer's gradient is reduce-scattered
+    # inside the backward loop
+    shapes = [m.addressable_shards[0].data.shape for m in ns["opt_state"].master]
+    assert any(len(s) == 2 and s[0] == LAYERS for s in shapes), shapes
+    compiled = ns["step"].lower(ns["params"], ns["opt_state"], jaxsync.shard_batch(batch, mesh))
+    report = jaxsync.overlap_report(compiled.compile())
+    in_loop = report.in_loop(kind="reduce-scatter", role="backward")
+    assert in_loop and all(c.trip_count == LAYERS for c in in_loop), report
+    # the README's sample of a report has the columns and rule line of the real one
+    (sample,) = [b.code.strip().splitlines() for b in BLOCKS if b.code.strip().startswith("name ")]
+    real = str(report).splitlines()
+    assert sample[0].split() == real[0].split() and set(sample[1]) == set(real[1]) == {"-", " "}
+
+
+RULES_AXES = ("data", "expert", "pipe", "tensor")
+RULES_SPECS = {
+    "embed": P(),
+    "stages": {"ln": {"scale": P()}},
+    "experts": {"w": P("expert")},
+    "shared": {"w": P()},
+}
+
+
+def rules_loss(params: Any, batch: Any) -> jax.Array:
+    """A toy model with the README's param names: on each pipeline stage s, that
+    stage's share of the loss (weighted by s + 1, so that stages differ)."""
+    x, y = batch
+    h = jnp.tanh((x * params["stages"]["ln"]["scale"]) @ params["shared"]["w"])
+    h = h @ params["experts"]["w"][0]  # this rank's expert
+    weight = 1.0 + jax.lax.axis_index("pipe")
+    return weight * jnp.mean((h @ params["embed"].T - y) ** 2)
+
+
+def run_rules(block: Block, ns: dict, ctx: SimpleNamespace) -> None:
+    """The block is the inside of a step: run it inside jax.shard_map on a mesh with
+    the axes its rules name (pipe=4, as its stage groups (0, 2), (1, 3) need)."""
+    mesh = jax.make_mesh((1, 2, 4, 1), RULES_AXES)
+    d, v = 4, 5
+    params = {
+        "embed": normal(20, v, d),
+        "stages": {"ln": {"scale": 1.0 + normal(21, d, scale=0.1)}},
+        "experts": {"w": normal(22, 2, d, d, scale=0.5)},
+        "shared": {"w": normal(23, d, d, scale=0.5)},
+    }
+    batch = (normal(24, 8, d), normal(25, 8, v))
+    shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), RULES_SPECS)
+    params = jax.device_put(params, shardings)
+    batch = jax.device_put(batch, NamedSharding(mesh, P(("data", "expert"))))
+    defined: dict[str, Any] = {}
+
+    @jax.jit
+    @jax.shard_map(
+        mesh=mesh,
+        in_specs=(RULES_SPECS, P(("data", "expert"))),
+        out_specs=(P(), P(RULES_AXES)),
+    )
+    def body(params, batch):
+        local = dict(ns, params=params, batch=batch, loss_fn=rules_loss)
+        exec(compile(block.code, str(README), "exec"), local)
+        defined.update({k: v for k, v in local.items() if k in ("rules", "tx", "dp")})
+        per_device = jax.tree.map(lambda g: g[None], local["grads"])
+        return jax.lax.pmean(local["loss"], RULES_AXES), per_device
+
+    loss, grads = jax.device_get(body(params, batch))
+    ns.update(defined)
+    assert np.isfinite(loss)
+    assert all(np.isfinite(g).all() for g in jax.tree.leaves(grads))
+    pipe = np.arange(8) % 4  # the pipe index of each device (tensor has size 1)
+    # Tied("pipe"): every stage has the gradient summed over all stages
+    close(grads["embed"], np.broadcast_to(grads["embed"][:1], grads["embed"].shape))
+    # Tied("pipe", groups=((0, 2), (1, 3))): summed within each group only
+    g = grads["shared"]["w"]
+    close(g[pipe == 0], g[pipe == 2])
+    close(g[pipe == 1], g[pipe == 3])
+    assert not np.allclose(g[pipe == 0], g[pipe == 1])
+    # the distributed optimizer accepts the rules: one buffer per kind of reduction
+    layout = ns["tx"].layout(params, mesh, RULES_SPECS)
+    assert len({b.key for b in layout.buffers}) == 4, layout.buffers
+
+
+D, V, T = 16, 13, 8
+
+
+def setup_fsdp(ns: dict, ctx: SimpleNamespace) -> None:
+    ns["params"] = {
+        "embed": {"table": normal(30, V, D)},
+        "blocks": {str(i): {"w": normal(31 + i, D, D, scale=D**-0.5)} for i in range(2)},
+        "head": {"w": normal(33, D, V, scale=D**-0.5)},
+    }
+
+    # fs.apply hands each function its unit's params by dotted name
+    def embed_fn(p, tokens):
+        return p["embed.table"][tokens]
+
+    def block_fn(i):
+        return lambda p, x: x + jnp.tanh(x @ p[f"blocks.{i}.w"])
+
+    def head_fn(p, x):
+        return x @ p["head.w"]
+
+    def xent(logits, targets):
+        logp = jax.nn.log_softmax(logits.astype(jnp.float32), -1)
+        return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], -1))
+
+    ns.update(embed_fn=embed_fn, block_fns=[block_fn(0), block_fn(1)], head_fn=head_fn, xent=xent)
+    rng = np.random.default_rng(34)
+    ns["batch"] = {
+        "tokens": rng.integers(0, V, (ROWS, T)),
+        "targets": rng.integers(0, V, (ROWS, T)),
+    }
+    ctx.params = ns["params"]
+
+
+def check_fsdp(ns: dict, ctx: SimpleNamespace) -> None:
+    fs, shards, mesh = ns["fs"], ns["shards"], ns["mesh"]
+    assert all(shard_fraction(s) == 1 / 8 for s in shards.values())
+    flat = {
+        jaxsync.param_name(p): x for p, x in jax.tree_util.tree_flatten_with_path(ctx.params)[0]
+    }
+    x = ns["embed_fn"](flat, ns["batch"]["tokens"])
+    for fn in ns["block_fns"]:
+        x = fn(flat, x)
+    ref = ns["xent"](ns["head_fn"](flat, x), ns["batch"]["targets"])
+    np.testing.assert_allclose(ns["loss"], ref, rtol=2e-2)  # bf16 params in the step
+    new = fs.unshard(shards, mesh)
+    assert jax.tree.map(jnp.shape, new) == jax.tree.map(jnp.shape, ctx.params)
+    assert changed(new, ctx.params)
+
+
+def setup_multihost(ns: dict, ctx: SimpleNamespace) -> None:
+    rng = np.random.default_rng(40)
+    x, y = rng.standard_normal((ROWS, 12)), rng.standard_normal((ROWS, 5))
+    ns["local_rows"] = (x.astype(np.float32), y.astype(np.float32))
+
+
+def check_multihost(ns: dict, ctx: SimpleNamespace) -> None:
+    info = ns["info"]
+    assert (info.how, info.num_processes, info.global_devices) == ("single process", 1, 8)
+    for leaf, rows in zip(jax.tree.leaves(ns["batch"]), ns["local_rows"], strict=True):
+        assert leaf.sharding.spec == P("data") and shard_fraction(leaf) == 1 / 8
+        np.testing.assert_array_equal(leaf, rows)
+
+
+def setup_checkpoint(ns: dict, ctx: SimpleNamespace) -> None:
+    ns.update(ctx.zero)  # the distributed optimizer's run, from its section
+    ns["start"], ns["steps"] = 0, 2
+    ctx.params = ns["params"]
+
+
+def check_checkpoint(ns: dict, ctx: SimpleNamespace) -> None:
+    r = ns["r"]
+    assert isinstance(r, jaxsync.Restored)
+    assert r.step == ns["steps"] - 1 and r.meta == {"data_position": r.step}
+    assert changed(ns["params"], ctx.params)  # the loop trained
+    # the newest save comes back exactly, the optimizer state in its sharded form
+    jax.tree.map(np.testing.assert_array_equal, r.params, ns["params"])
+    assert isinstance(r.opt_state, jaxsync.DistributedOptimizerState)
+    jax.tree.map(np.testing.assert_array_equal, r.opt_state, ns["opt_state"])
+    assert [m.sharding for m in r.opt_state.master] == [m.sharding for m in ns["opt_state"].master]
+    assert sorted(p.name for p in Path("runs/x/checkpoints").iterdir() if p.name.isdigit()) == [
+        "0",
+        "1",
+    ]
+
+
+@dataclasses.dataclass(frozen=True)
+class Spec:
+    setup: Callable[[dict, SimpleNamespace], None] | None = None
+    check: Callable[[dict, SimpleNamespace], None] | None = None
+    run: Callable[[Block, dict, SimpleNamespace], None] | None = None  # instead of exec
+
+
+SPECS = {
+    "ddp": Spec(setup_ddp, check_ddp),
+    "zero": Spec(setup_zero, check_zero),
+    "scanned": Spec(setup_scanned, check_scanned),
+    "rules": Spec(run=run_rules),
+    "fsdp": Spec(setup_fsdp, check_fsdp),
+    "multihost": Spec(setup_multihost, check_multihost),
+    "checkpoint": Spec(setup_checkpoint, check_checkpoint),
+}
+
+
+# ------------------------------------------------------------------- running
+def _exception(name: str) -> type[BaseException]:
+    exc = getattr(builtins, name, None) or getattr(jaxsync, name, None)
+    if not (isinstance(exc, type) and issubclass(exc, BaseException)):
+        raise ValueError(f"`raises {name}`: not a builtin or jaxsync exception")
+    return exc
+
+
+class Runner:
+    """Runs ``blocks`` in order in one namespace, each at most once."""
+
+    def __init__(self, blocks: list[Block], specs: dict[str, Spec], cwd: Path):
+        self.blocks, self.specs = blocks, specs
+        self.cwd = cwd  # relative paths in the README (runs/x/...) land here
+        self.ns: dict[str, Any] = {"__name__": "readme"}
+        self.ctx = SimpleNamespace()
+        self.outcome: dict[int, str] = {}  # index -> "ok" | "not run" | "failed"
+
+    def run_through(self, index: int) -> None:
+        """Runs block ``index``, after any earlier block not run yet."""
+        for i in range(index):
+            if i not in self.outcome:
+                try:
+                    self._run(i)
+                except Exception as e:
+                    pytest.fail(
+                        f"README.md:{self.blocks[i].line}, run first since this block "
+                        f"continues it, failed: {type(e).__name__}: {e}"
+                    )
+            if self.outcome[i] == "failed":
+                pytest.skip(f"continues README.md:{self.blocks[i].line}, which failed")
+        self._run(index)
+        block = self.blocks[index]
+        if block.not_run:
+            pytest.skip(f"README.md:{block.line} is marked not run: {block.not_run}")
+
+    def _run(self, index: int) -> None:
+        block = self.blocks[index]
+        self.outcome[index] = "failed"
+        if block.not_run:
+            self.outcome[index] = "not run"
+            return
+        spec = self.specs[block.name] if block.name else Spec()
+        code = compile(block.code, str(README), "exec")
+        with contextlib.chdir(self.cwd), pytest.MonkeyPatch.context() as mp:
+            # jaxsync.initialize() is a no-op alone, as the README says: make sure
+            # no launcher or cluster variable of the machine running the tests leaks in.
+            for var in (distributed.ENV_COORDINATOR, *distributed._CLUSTER_HINTS):
+                mp.delenv(var, raising=False)
+            if spec.setup:
+                spec.setup(self.ns, self.ctx)
+            if spec.run:
+                spec.run(block, self.ns, self.ctx)
+            elif block.raises:
+                with pytest.raises(_exception(block.raises)):
+                    exec(code, self.ns)
+            else:
+                exec(code, self.ns)
+            loss = self.ns.get("loss")
+            if isinstance(loss, jax.Array):
+                assert np.isfinite(loss).all(), f"README.md:{block.line}: loss {loss}"
+            if spec.check:
+                spec.check(self.ns, self.ctx)
+        self.outcome[index] = "ok"
+
+
+@pytest.fixture(scope="module")
+def runner(tmp_path_factory):
+    require_devices(8)  # the checks count shards of 1/8
+    return Runner(PYTHON, SPECS, tmp_path_factory.mktemp("readme"))
+
+
+@pytest.mark.parametrize("index", range(len(PYTHON)), ids=[b.id for b in PYTHON])
+def test_python_block(runner, index):
+    runner.run_through(index)
+
+
+def test_runner_marks_and_failures(tmp_path):
+    """The harness itself: a `not run` block is skipped with its reason and not
+    executed, `raises` is enforced, and a failed block stops the blocks after it."""
+    text = "\n".join([
+        "```python", "x = 1", "```",
+        "<!-- not run: needs a GPU -->", "```python", "x = 2", "```",
+        "<!-- readme-test: raises ZeroDivisionError -->", "```python", "1 / 0", "```",
+        "<!-- readme-test: raises ZeroDivisionError -->", "```python", "x = 3", "```",
+        "```python", "assert x == 3", "```",
+    ])  # fmt: skip
+    blocks = parse_readme(text)
+    assert [(b.line, b.not_run, b.raises) for b in blocks] == [
+        (1, None, None), (5, "needs a GPU", None), (9, None, "ZeroDivisionError"),
+        (13, None, "ZeroDivisionError"), (16, None, None),
+    ]  # fmt: skip
+    r = Runner(blocks, SPECS, tmp_path)
+    with pytest.raises(pytest.skip.Exception, match="marked not run: needs a GPU"):
+        r.run_through(1)
+    assert r.ns["x"] == 1
+    r.run_through(2)
+    with pytest.raises(pytest.fail.Exception, match="DID NOT RAISE"):
+        r.run_through(3)
+    with pytest.raises(pytest.skip.Exception, match="continues README.md:13, which failed"):
+        r.run_through(4)
+    with pytest.raises(pytest.fail.Exception, match=r"README.md:1, run first.*AssertionError"):
+        Runner(parse_readme(text.replace("x = 1", "assert 0")), SPECS, tmp_path).run_through(1)
+
+
+def test_directives_name_known_specs():
+    named = [b.name for b in PYTHON if b.name]
+    unknown = [f"README.md:{b.line}: {b.name}" for b in PYTHON if b.name and b.name not in SPECS]
+    assert not unknown, f"no setup/check in tests/test_readme.py SPECS for {unknown}"
+    unused = sorted(set(SPECS) - set(named))
+    assert not unused, f"SPECS {unused} name no README block (renamed or removed?)"
+    assert len(named) == len(set(named)), f"a directive name is used twice: {named}"
+    for b in BLOCKS:
+        assert b.lang in ("python", "py") or not (b.name or b.raises or b.not_run), (
+            f"README.md:{b.line}: a directive before a {b.lang or 'plain'} block does nothing"
+        )
+    for b in PYTHON:
+        if b.raises:
+            _exception(b.raises)
+
+
+def _check_command(words: list[str], where: str) -> None:
+    """``make X``: a Makefile target; ``python -m mod``, ``python a.py``, ``a.py``: the
+    module or file exists, and each ``--flag`` is named in the program that gets it."""
+    assert words, where
+    if words[0] == "make":
+        text = (ROOT / "Makefile").read_text()
+        targets = set(re.findall(r"^([A-Za-z0-9_.-]+)\s*:(?!=)", text, re.M))
+        missing = [w for w in words[1:] if "=" not in w and w not in targets]
+        assert not missing, f"README.md: `{where}`: no Makefile target {missing}"
+        return
+    if words[0] in ("python", "python3"):
+        words = words[1:]
+    source = None
+    while words:
+        w, words = words[0], words[1:]
+        if w == "-m" and words:
+            spec = importlib.util.find_spec(words[0])
+            assert spec and spec.origin, f"README.md: `{where}`: no module {words[0]}"
+            source, words = Path(spec.origin).read_text(), words[1:]
+        elif w.endswith(".py"):  # the program, or the script a launcher runs
+            assert (ROOT / w).is_file(), f"README.md: `{where}`: no file {w}"
+            source = (ROOT / w).read_text()
+        elif w.startswith("--") and source is not None:
+            flag = w.split("=")[0]
+            assert f'"{flag}"' in source, f"README.md: `{where}`: {flag} is not an option"
+
+
+@pytest.mark.parametrize("block", [b for b in BLOCKS if b.lang in ("bash", "sh", "shell")],
+                         ids=lambda b: b.id)  # fmt: skip
+def test_shell_block_commands_exist(block):
+    for line in block.code.splitlines():
+        words = line.split("#")[0].split()
+        if words:
+            _check_command(words, line.strip())
+
+
+def test_commands_and_paths_in_the_text_exist():
+    """Inline commands (``make X``, ``python ...``, ``script.py --flag``) and the
+    repository paths the text names (``dir/file.py``, ``.yaml``...)."""
+    for span in re.findall(r"`([^`\n]+)`", README.read_text()):
+        words = span.split()
+        if words[0] in ("make", "python", "python3") or (words[0].endswith(".py") and words[1:]):
+            _check_command(words, span)
+        for word in words:
+            if "/" in word and re.fullmatch(r"[\w./-]+\.(py|yaml|md|toml)", word):
+                assert (ROOT / word).is_file(), f"README.md mentions `{word}`, which does not exist"
