@@ -72,15 +72,18 @@ F32 = jnp.float32
 DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16}
 LR = 1e-3
 # Agreement with `replicated` after 2 steps on one batch, of the fp32 master weights:
-# max |w - w_ref| and rel = ||w - w_ref|| / ||w_ref - w_0|| (the error relative to
-# how far the weights moved). fp32: both asserted tightly. bf16: methods whose bf16
-# grads are computed as replicated's agree to ~1e-6, but XLA rounds bf16
-# intermediates differently in differently fused programs (FSDP's gathers, GSPMD's
-# partitioning), and Adam's first steps (~lr * sign(g)) flip for near-zero grads: two
-# correct bf16 runs differ by rel ~0.07 (each is ~0.07 from the fp32 result on the
-# quick model) and by up to ~4 lr in max abs, so only rel is asserted; gradients
-# of one rank's data instead of the mean give rel ~1.2.
-TOL = {"fp32": (1e-4, 1e-3), "bf16": (None, 0.15)}
+# rel = ||w - w_ref|| / ||w_ref - w_0|| (the error relative to how far the weights
+# moved), and the fraction of weights off by more than 1e-4. Adam divides by
+# sqrt(v) + 1e-8, so a weight whose gradient is ~1e-9 (rounding level; the median is
+# ~5e-4) moves by anything up to lr whatever the summation order: fp32 runs that
+# agree to ~1e-7 elsewhere still show a handful of such weights off by 1e-5..2e-4,
+# hence a fraction, not a max. bf16: methods that compute their bf16 grads as
+# replicated does agree to ~1e-6, but XLA rounds bf16 intermediates differently in
+# differently fused programs (FSDP's gathers, GSPMD's partitioning) and Adam's first
+# steps (~lr * sign(g)) flip for every near-zero grad: correct bf16 runs differ by
+# rel up to ~0.08 (each ~0.07 from the fp32 result), so only rel is asserted there.
+# Gradients of one rank's data instead of the mean give rel ~1.2.
+TOL = {"fp32": (1e-4, 1e-3), "bf16": (None, 0.25)}  # (max fraction off by >1e-4, max rel)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -557,14 +560,16 @@ def run(
         if set(ref_w) != set(got):
             raise AssertionError(f"{m.name}: params {sorted(set(ref_w) ^ set(got))} differ")
         err = {k: float(np.max(np.abs(got[k] - ref_w[k]))) for k in ref_w}
+        off = sum(int(np.sum(np.abs(got[k] - ref_w[k]) > 1e-4)) for k in ref_w)
+        frac = off / sum(x.size for x in ref_w.values())
         num = sum(float(np.sum(np.square(got[k] - ref_w[k]))) for k in ref_w)
         den = sum(float(np.sum(np.square(ref_w[k] - w0[k]))) for k in ref_w)
         diff = (max(err.values()), math.sqrt(num / den))
-        if not ((tol[0] is None or diff[0] <= tol[0]) and diff[1] <= tol[1]):
+        if not ((tol[0] is None or frac <= tol[0]) and diff[1] <= tol[1]):
             raise AssertionError(
-                f"{m.name}: after 2 steps, master vs replicated: max abs {diff[0]:.3g} "
-                f"(tol {tol[0]}), rel {diff[1]:.3g} (tol {tol[1]:g}); worst param "
-                f"{max(err, key=err.get)}"
+                f"{m.name}: after 2 steps, master vs replicated: rel {diff[1]:.3g} (tol "
+                f"{tol[1]:g}), {off} weights ({frac:.2g}, tol {tol[0]}) off by > 1e-4, max "
+                f"{diff[0]:.3g} in {max(err, key=err.get)}"
             )
     for _ in range(warmup):
         state, metrics = compiled(state, m.batch)
@@ -708,9 +713,10 @@ def main() -> None:
         "Collectives: AR/RS/AG = all-reduce/reduce-scatter/all-gather instructions in the "
         "compiled step, where they sit (entry = once per step; fwd/bwd loop = inside the "
         "forward/backward scan body, run L times); coll MiB/step weights loop bodies by trip "
-        "count. vs replicated: fp32 master weights after 2 steps on one batch, max |w - w_ref| "
-        "/ ||w - w_ref|| / ||w_ref - w_0|| (asserted <= "
-        f"{TOL['fp32'][0]:g} / {TOL['fp32'][1]:g} fp32, rel <= {TOL['bf16'][1]:g} bf16)."
+        "count. vs replicated: fp32 master weights w after 2 steps on one batch, max |w - w_ref| "
+        "/ rel = ||w - w_ref|| / ||w_ref - w_0||; asserted: rel <= "
+        f"{TOL['fp32'][1]:g} and at most {TOL['fp32'][0]:g} of the weights off by > 1e-4 (fp32), "
+        f"rel <= {TOL['bf16'][1]:g} (bf16)."
     )
 
     # ---------------------------------------------------------- compile time vs L
