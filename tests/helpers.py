@@ -44,6 +44,14 @@ def make_batches(key, steps, batch, sizes=(12, 33, 17, 5)):
     return xs, ys
 
 
+def state_bytes_on_device(tree, device) -> int:
+    """Bytes of ``tree``'s arrays resident on ``device`` (read from addressable shards)."""
+    return sum(
+        s.data.nbytes for leaf in jax.tree.leaves(tree) for s in leaf.addressable_shards
+        if s.device == device
+    )  # fmt: skip
+
+
 def count_collectives(hlo_text: str) -> dict[str, int]:
     """Buffers communicated per collective kind in compiled HLO."""
     return {k: v.count for k, v in jaxsync.collective_stats(hlo_text).items()}

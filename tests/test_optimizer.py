@@ -15,6 +15,7 @@ from helpers import (
     run_reference,
     run_sharded,
     sharded_step,
+    state_bytes_on_device,
 )
 from jax.sharding import PartitionSpec as P
 
@@ -147,15 +148,6 @@ def test_bf16_params_with_fp32_master(mesh8, name, tol):
         )
 
 
-def _state_bytes_on_device(state, device):
-    total = 0
-    for leaf in jax.tree.leaves(state):
-        for s in leaf.addressable_shards:
-            if s.device == device:
-                total += s.data.nbytes
-    return total
-
-
 def test_memory_is_the_zero_figure(mesh8):
     # a few params of odd sizes, bf16, Adam: fp32 master + 2 fp32 moments per element
     key = jax.random.PRNGKey(0)
@@ -170,7 +162,7 @@ def test_memory_is_the_zero_figure(mesh8):
     shard = layout.shard_size(0)
     scalars = 4 + 4 + 4 + 4 + 4 + 1 + 4 + 4 + 4  # count, scale, 2 trackers, 5 metrics
     per_param = 2 * 4  # metrics: non-finite device count and first device, per param
-    per_device = _state_bytes_on_device(state, jax.devices()[0])
+    per_device = state_bytes_on_device(state, jax.devices()[0])
     assert per_device == 12 * shard + scalars + per_param * len(params)
     # shard = ceil(P / N) + this rank's share of the padding
     buf = layout.buffers[0]
@@ -182,7 +174,7 @@ def test_memory_is_the_zero_figure(mesh8):
     replicated = jax.device_put(
         optax.adam(1e-3).init(params), jax.sharding.NamedSharding(mesh8, P())
     )
-    rep_bytes = _state_bytes_on_device(replicated, jax.devices()[0])
+    rep_bytes = state_bytes_on_device(replicated, jax.devices()[0])
     assert rep_bytes == 2 * 2 * n_params + 4
 
 

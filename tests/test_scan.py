@@ -11,7 +11,13 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxsync
-from tests.helpers import run_reference, scanned_batches, scanned_loss, scanned_params
+from tests.helpers import (
+    run_reference,
+    scanned_batches,
+    scanned_loss,
+    scanned_params,
+    state_bytes_on_device,
+)
 
 STEPS, BATCH, LAYERS = 3, 32, 4
 CLIP = 0.5
@@ -246,12 +252,7 @@ def test_stacked_state_is_the_zero_figure(mesh8):
     layout = tx.layout(params, mesh8)
     elems = sum(max(b.layers, 1) * layout.shard_size(i) for i, b in enumerate(layout.buffers))
     dev = jax.devices()[0]
-    per_device = sum(
-        s.data.nbytes
-        for leaf in jax.tree.leaves(state)
-        for s in leaf.addressable_shards
-        if s.device == dev
-    )
+    per_device = state_bytes_on_device(state, dev)
     n_counts = len(layout.buffers)  # Adam's count, one per buffer
     scalars = 4 * n_counts + 4 + 4 + 4 + 4 + 1 + 4 + 4 + 4  # + scale, metrics
     per_param = 2 * 4 * len(layout.slots)  # non-finite device count and first device

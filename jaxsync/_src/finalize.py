@@ -29,7 +29,8 @@ from typing import Any, NamedTuple
 
 import jax
 
-from .portable import param_name
+from .axes import to_varying
+from .names import param_name
 
 PyTree = Any
 
@@ -212,3 +213,19 @@ def sync_keys(
     if rules is None or not rules.rules:
         return [ParamSync(dp_axes)] * len(jax.tree.leaves(params))
     return rules.resolve(params, dp_axes, mesh_shape)
+
+
+def local_view(tree: Any, axes: tuple[str, ...], rules: SyncRules | None) -> Any:
+    """``tree`` typed device-varying over the data ``axes`` and each leaf's rule-owned axes.
+
+    Differentiating w.r.t. this view yields local, unreduced gradients over exactly
+    the axes jaxsync reduces (bucket by bucket); over any other axis JAX's autodiff
+    keeps reducing replicated params as it always does.
+    """
+    if rules is None:
+        return to_varying(tree, axes)
+    shape = dict(jax.sharding.get_abstract_mesh().shape)
+    syncs = sync_keys(rules, tree, axes, shape)
+    leaves, treedef = jax.tree.flatten(tree)
+    owned = [to_varying(x, axes + s.owned_axes) for x, s in zip(leaves, syncs, strict=True)]
+    return jax.tree.unflatten(treedef, owned)

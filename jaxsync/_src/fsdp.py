@@ -250,17 +250,17 @@ class FullyShard:
         under hybrid sharding) into the shard.
         """
         self._check_unit(unit, "FullyShard.gather", shards)
-        axes = bound_axes(self.axes, "FullyShard.gather")
-        rep = bound_axes(self.replicate_axes, "FullyShard.gather") if self.replicate_axes else ()
-        layout = self._sub[unit]
-        flat = gather_shard(
-            shards[unit],
-            axes,
-            rep,
-            jnp.dtype(self.policy.param_dtype).name,
+        flat = self._gather_flat(shards[unit], "FullyShard.gather")
+        return self._sub[unit].unflatten((flat,), self.policy.param_dtype)
+
+    def _gather_flat(self, shard: jax.Array, fn: str) -> jax.Array:
+        """All-gather of a flat shard in param_dtype; its VJP reduce-scatters into it."""
+        axes = bound_axes(self.axes, fn)
+        rep = bound_axes(self.replicate_axes, fn) if self.replicate_axes else ()
+        return gather_shard(
+            shard, axes, rep, jnp.dtype(self.policy.param_dtype).name,
             jnp.dtype(self.policy.reduce_dtype).name,
-        )
-        return layout.unflatten((flat,), self.policy.param_dtype)
+        )  # fmt: skip
 
     def gather_layer(self, shard: jax.Array, unit: str) -> PyTree:
         """One layer of a stacked unit, gathered (inside the scanned layer body).
@@ -268,13 +268,8 @@ class FullyShard:
         Returns the layer's params shaped like the stacked group's subtree; the
         backward reduce-scatters the layer's gradient inside the backward scan.
         """
-        axes = bound_axes(self.axes, "FullyShard.gather_layer")
-        rep = bound_axes(self.replicate_axes, "FullyShard.gather") if self.replicate_axes else ()
         layout = self._sub[unit]
-        flat = gather_shard(
-            shard, axes, rep, jnp.dtype(self.policy.param_dtype).name,
-            jnp.dtype(self.policy.reduce_dtype).name,
-        )  # fmt: skip
+        flat = self._gather_flat(shard, "FullyShard.gather_layer")
         # Named, so a remat policy can keep gathered layers (save_only_these_names)
         # when memory allows, instead of gathering them again in the backward.
         flat = checkpoint_name(flat, GATHERED)

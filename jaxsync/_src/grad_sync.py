@@ -21,7 +21,7 @@ import optax
 from .axes import AxisName, axes_size, bound_axes, normalize_axes, rank, to_varying
 from .checks import check_bool, check_float_dtype, check_local_grads, check_local_loss, check_rules
 from .collectives import bucket_all_reduce
-from .finalize import SyncRules, sync_keys
+from .finalize import SyncRules, local_view, sync_keys
 from .layout import BufferKey, Layout
 from .placement import build_layout, check_bucket_size
 from .scan_sync import sync_rules, sync_value_and_grad
@@ -76,14 +76,7 @@ def value_and_grad(
         axes = bound_axes(axis_name, "jaxsync.value_and_grad")
         args = list(args)
         for i in nums:
-            if rules is None:
-                args[i] = to_varying(args[i], axes)
-                continue
-            shape = dict(jax.sharding.get_abstract_mesh().shape)
-            syncs = sync_keys(rules, args[i], axes, shape)
-            leaves, treedef = jax.tree.flatten(args[i])
-            owned = [to_varying(x, axes + s.owned_axes) for x, s in zip(leaves, syncs, strict=True)]
-            args[i] = jax.tree.unflatten(treedef, owned)
+            args[i] = local_view(args[i], axes, rules)
         out, grads = vg(*args, **kwargs)
         check_local_loss(out, axes, has_aux, axis_name)
         return out, grads

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 
 from .axes import AxisName, bound_axes, normalize_axes, to_varying, varying_axes
 from .collectives import buffer_axes, mean_factor, reduce_bucket, reduce_scatter_packed, scale_by
-from .finalize import SyncRules, sync_keys
+from .finalize import SyncRules, local_view, sync_keys
 from .layout import BufferKey, Layout
 from .names import in_group, param_name
 from .optimizer_state import ShardedGrads
@@ -257,18 +257,6 @@ def _sink_axes(plan: _Plan, bi: int) -> tuple[str, ...]:
     return tuple(dict.fromkeys(dp + key.varying))
 
 
-def _varying_params(params: PyTree, plan: _Plan) -> list[Any]:
-    """Leaves marked device-varying over the data axes (and rules' owned axes)."""
-    if plan.rules is None:
-        return jax.tree.leaves(to_varying(params, plan.axes))
-    shape = dict(jax.sharding.get_abstract_mesh().shape)
-    syncs = sync_keys(plan.rules, params, plan.axes, shape)
-    return [
-        to_varying(x, plan.axes + s.owned_axes)
-        for x, s in zip(jax.tree.leaves(params), syncs, strict=True)
-    ]
-
-
 def sync_value_and_grad(
     fun: Callable[..., Any],
     sync: Any,
@@ -300,7 +288,7 @@ def sync_value_and_grad(
     free_bufs = tuple(bi for bi in range(len(layout.buffers)) if bi not in stacked_bufs)
     in_stack = {si for bi in stacked_bufs for si in layout.buffers[bi].slots}
     free = [i for i in range(len(leaves)) if i not in in_stack]
-    varying = _varying_params(params, plan)
+    varying = jax.tree.leaves(local_view(params, plan.axes, plan.rules))
     factor = mean_factor(plan.axes, True, None) / microbatches
     acc_leaves = None if acc is None else layout.check_tree(acc, "acc")
 
