@@ -40,6 +40,7 @@ from jaxsync._src.layout import PieceRange as PieceRange
 from jaxsync._src.loss_scale import DynamicLossScale as DynamicLossScale
 from jaxsync._src.loss_scale import LossScaleState as LossScaleState
 from jaxsync._src.names import param_name as param_name
+from jaxsync._src.nnx_bridge import scan_layers as scan_layers
 from jaxsync._src.offload import host_offload_supported as host_offload_supported
 from jaxsync._src.offload import offload as offload
 from jaxsync._src.offload import with_offloaded_state as with_offloaded_state
@@ -55,6 +56,9 @@ from jaxsync._src.placement import build_layout as build_layout
 from jaxsync._src.scan_sync import DataParallel as DataParallel
 from jaxsync._src.scan_sync import LayerStack as LayerStack
 from jaxsync._src.scan_sync import tap as tap
+from jaxsync._src.step import TrainStep as TrainStep
+from jaxsync._src.step import train_step as train_step
+from jaxsync._src.train_state import TrainState as TrainState
 
 __version__ = "0.1.0"
 
@@ -81,6 +85,8 @@ __all__ = [
     "StepMetrics",
     "SyncRules",
     "Tied",
+    "TrainState",
+    "TrainStep",
     "Buffer",
     "BufferKey",
     "Layout",
@@ -109,9 +115,11 @@ __all__ = [
     "param_name",
     "normalize_axes",
     "raise_if_nonfinite",
+    "scan_layers",
     "shard_batch",
     "sync_grads",
     "tap",
+    "train_step",
     "value_and_grad",
     "with_offloaded_state",
 ]

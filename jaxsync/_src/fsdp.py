@@ -59,8 +59,10 @@ class FullyShard:
         num_shards: int,
         remat_policy: Callable[..., Any] = jax.checkpoint_policies.dots_saveable,
         stacked: tuple[str, ...] = (),
+        mesh: Mesh | None = None,
     ):
         self.axes = normalize_axes(axis_name)
+        self.mesh = mesh
         self.stacked = stacked
         self.replicate_axes = () if replicate_axis is None else normalize_axes(replicate_axis)
         overlap = set(self.axes) & set(self.replicate_axes)
@@ -141,8 +143,19 @@ class FullyShard:
         axes = self.axes if len(self.axes) > 1 else self.axes[0]
         return {u: P(None, axes) if u in self._layers else P(axes) for u in self.units}
 
-    def shard(self, params: PyTree, mesh: Mesh) -> dict[str, jax.Array]:
-        """Global fp32 shards of (replicated) ``params``: ``{unit: (N * shard,) array}``."""
+    def _mesh(self, mesh: Mesh | None, fn: str) -> Mesh:
+        """``mesh`` if given, else the one given to :func:`fully_shard`."""
+        mesh = self.mesh if mesh is None else mesh
+        if mesh is None:
+            raise ValueError(f"{fn}: pass `mesh` (this FullyShard was built without one).")
+        return mesh
+
+    def shard(self, params: PyTree, mesh: Mesh | None = None) -> dict[str, jax.Array]:
+        """Global fp32 shards of (replicated) ``params``: ``{unit: (N * shard,) array}``.
+
+        ``mesh`` defaults to the one given to :func:`fully_shard`.
+        """
+        mesh = self._mesh(mesh, "FullyShard.shard")
         n = mesh_axes_size(mesh, self.axes, "FullyShard.shard")
         if n != self.num_shards:
             raise ValueError(
@@ -175,11 +188,14 @@ class FullyShard:
         self,
         tx: optax.GradientTransformation,
         shards: dict[str, jax.Array],
-        mesh: Mesh,
+        mesh: Mesh | None = None,
         *,
         check_elementwise: bool = True,
     ) -> tuple[Any, Any]:
         """``tx.init`` on the shards, per device; returns (global state, its specs).
+
+        (:func:`jaxsync.train_step` with ``mode="fsdp"`` does this for you and
+        keeps the specs with the state; ``mesh`` defaults to the FullyShard's.)
 
         Shard-shaped state leaves (moments) are sharded like the shards; scalars
         (Adam's count) are replicated. Any elementwise optax transformation works
@@ -209,6 +225,7 @@ class FullyShard:
                 "`shards` must be the dict {unit: shard} from `fs.shard(params, mesh)`"
                 + (f"; it lacks units {missing}." if missing else f", got {type(shards).__name__}.")
             )
+        mesh = self._mesh(mesh, "FullyShard.init_optimizer")
         specs = self.specs()
         local = {
             u: jax.ShapeDtypeStruct(
@@ -222,8 +239,12 @@ class FullyShard:
         init = jax.shard_map(tx.init, mesh=mesh, in_specs=(specs,), out_specs=state_specs)
         return jax.jit(init)(shards), state_specs
 
-    def unshard(self, shards: dict[str, jax.Array], mesh: Mesh) -> PyTree:
-        """Full params from global shards (outside shard_map), in fp32."""
+    def unshard(self, shards: dict[str, jax.Array], mesh: Mesh | None = None) -> PyTree:
+        """Full params from global shards (outside shard_map), in fp32.
+
+        ``mesh`` defaults to the one given to :func:`fully_shard`.
+        """
+        mesh = self._mesh(mesh, "FullyShard.unshard")
         leaves: list[Any] = [None] * len(self._names)
 
         def build(shards: dict[str, jax.Array]) -> PyTree:
@@ -471,6 +492,7 @@ def fully_shard(
       remat_policy: what a resharded unit keeps for its backward pass (default:
         matmul outputs; ``jax.checkpoint_policies.nothing_saveable`` recomputes
         the whole unit, as activation checkpointing does).
+        The mesh is kept: ``shard``, ``unshard`` and ``init_optimizer`` default to it.
       replicate_axis: hybrid sharding: shard over ``axis_name`` inside each
         group, replicate over this axis (gradients all-reduced across it).
       stacked: dotted prefixes of stacked-layer groups (leading layer axis, run
@@ -482,7 +504,7 @@ def fully_shard(
     Example:
       >>> fs = jaxsync.fully_shard(params, axis_name="data", mesh=mesh,
       ...                          units=["embed", "blocks.0", "blocks.1", "head"])
-      >>> shards = fs.shard(params, mesh)
+      >>> shards = fs.shard(params)   # on the mesh given here
       >>> # inside shard_map:  x = fs.apply(shards, "blocks.0", block_fn, x)
     """
     n = mesh_axes_size(mesh, axis_name, "jaxsync.fully_shard")
@@ -514,4 +536,5 @@ def fully_shard(
         num_shards=n,
         remat_policy=remat_policy,
         stacked=stacked,
+        mesh=mesh,
     )

@@ -17,6 +17,7 @@ distributed optimizer, sharded: ZeRO-2).
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 from collections.abc import Callable, Sequence
 from functools import partial
@@ -39,6 +40,19 @@ NOT_TAPPED = (
     "this is jaxsync's view of the stacked-layer group {group!r}, not its params: call "
     "`p = jaxsync.tap(p)` on the layer's slice first thing in the scanned layer body "
     "(it returns the layer's params and syncs their gradient inside the backward loop)."
+)
+
+
+NEVER_TAPPED = (
+    "the stacked-layer group(s) {groups} reached the loss function as jaxsync's view, but "
+    "no scanned layer body passed its layer through `jaxsync.tap`, so their gradients would "
+    "be lost. Call `p = jaxsync.tap(p)` on each layer's slice in the scanned body (flax "
+    "NNX: run the stacked module with `jaxsync.scan_layers`), or drop them from `stacked=`."
+)
+
+# The stacked groups tapped while one sync_value_and_grad traces the loss.
+_TAPPED: contextvars.ContextVar[set[str] | None] = contextvars.ContextVar(
+    "jaxsync_tapped", default=None
 )
 
 
@@ -201,6 +215,9 @@ def tap(layer: Any) -> Any:
                 f"{tuple(leaf.shape)}; one layer's slice has shape {slot.row_shape}. Call it "
                 "inside the scanned layer body, on the slice `lax.scan` passes in."
             )
+    tapped = _TAPPED.get()
+    if tapped is not None:
+        tapped.add(spec.group)
     return _tap(spec, layer.params, layer.sinks, layer.acc)
 
 
@@ -344,9 +361,17 @@ def sync_value_and_grad(
         )
         return fun(view, *args)
 
-    out, (g_free, g_sinks) = jax.value_and_grad(f, argnums=(0, 1), has_aux=has_aux)(
-        [varying[i] for i in free], sinks
-    )
+    tapped: set[str] = set()
+    token = _TAPPED.set(tapped)
+    try:
+        out, (g_free, g_sinks) = jax.value_and_grad(f, argnums=(0, 1), has_aux=has_aux)(
+            [varying[i] for i in free], sinks
+        )
+    finally:
+        _TAPPED.reset(token)
+    missed = sorted(set(specs) - tapped)
+    if missed:
+        raise ValueError(NEVER_TAPPED.format(groups=missed))
     by_slot: list[Any] = [None] * len(leaves)
     for i, g in zip(free, g_free, strict=True):
         by_slot[i] = g if acc_leaves is None else g.astype(jnp.float32) + acc_leaves[i]

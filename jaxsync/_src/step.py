@@ -1,0 +1,526 @@
+"""A whole data-parallel training step from a loss, an optax optimizer and a mesh.
+
+Every jaxsync user otherwise writes the same thirty lines: the optimizer
+wrapper, sharded init, ``jax.jit(jax.shard_map(..., in_specs=..., out_specs=...))``
+with the state's specs, donation, batch placement (and its microbatch layout),
+``jaxsync.value_and_grad`` or ``accumulate_grads`` with the right ``sync``, and a
+``pmean`` of the loss for logging; NNX users also split and merge their module.
+:func:`train_step` writes them once, for the three modes:
+
+- ``"ddp"``: replicated optax state, bucketed all-reduce of local gradients.
+- ``"zero"``: :func:`jaxsync.distributed_optimizer` (ZeRO-1/2).
+- ``"fsdp"``: :func:`jaxsync.fully_shard` (ZeRO-3), the model reading
+  ``fs.view(shards)``.
+
+The explicit ``shard_map`` path stays: the builder composes the same public
+functions and adds no numerics of its own beyond DDP/FSDP clipping, skipping
+and loss scaling (the distributed optimizer's arithmetic).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from .axes import AxisName, mesh_axes_size, normalize_axes
+from .checks import check_bool, check_positive, check_rules
+from .data import shard_batch
+from .finalize import SyncRules
+from .fsdp import ShardedLayers, check_microbatches, fully_shard
+from .fsdp_gather import MixedPrecision
+from .grad_sync import accumulate_grads, all_reduce_grads, value_and_grad
+from .loss_scale import LossScale, check_loss_scale, init_loss_scale
+from .names import group_of, param_name
+from .nnx_bridge import ModelDef, is_module, split_model, trace_views
+from .optimizer import distributed_optimizer
+from .optimizer_state import initial_metrics
+from .placement import check_bucket_size, normalize_stacked
+from .portable import signature
+from .scan_sync import DataParallel, LayerStack
+from .train_state import GuardState, TrainState, global_stats, guarded_update, padding_of
+
+PyTree = Any
+MODES = ("ddp", "zero", "fsdp")
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Plan:
+    """What one ``init`` fixed: the optimizer, FSDP units, specs and the jitted step."""
+
+    model: ModelDef | None
+    template: PyTree  # the params' ShapeDtypeStructs (global)
+    tx: Any
+    fs: Any
+    specs: TrainState
+    fn: Callable[..., Any]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class TrainStep:
+    """A jitted data-parallel training step; build it with :func:`train_step`.
+
+    ``init(params_or_module)`` returns the global, sharded :class:`TrainState`;
+    ``step(state, batch)`` returns ``(state, loss)`` (the loss averaged over the
+    data-parallel devices). The state is donated: use the returned one.
+    """
+
+    loss_fn: Callable[..., Any]
+    tx: optax.GradientTransformation
+    mesh: Mesh
+    mode: str
+    axis_name: tuple[str, ...]
+    microbatches: int
+    rules: SyncRules | None
+    stacked: tuple[str, ...]
+    clip_grad_norm: float | None
+    loss_scale: LossScale
+    bucket_size: int | None
+    reduce_dtype: Any
+    units: tuple[str, ...] | None
+    policy: MixedPrecision | None
+    reshard_after_forward: bool
+    donate: bool
+    _plans: dict[Any, _Plan] = dataclasses.field(default_factory=dict, repr=False)
+
+    # ------------------------------------------------------------------ init
+    def init(self, params: Any) -> TrainState:
+        """The initial global state from ``params`` (a pytree of arrays) or an ``nnx.Module``.
+
+        A module is split into its ``nnx.Param`` values (trained) and the rest of
+        its state (``state.model_state``, passed to the model unchanged); the loss
+        function then receives the merged module.
+        """
+        model, rest = None, {}
+        if is_module(params):
+            model, params, rest = split_model(params)
+        leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+        bad = [param_name(p) for p, x in leaves if not hasattr(x, "shape") or not hasattr(x, "dtype")]
+        if not leaves or bad:
+            raise TypeError(
+                "TrainStep.init: `params` must be a non-empty pytree of arrays or an "
+                f"nnx.Module; {'it is empty' if not leaves else f'leaves {bad[:4]} are not arrays'}."
+            )
+        mesh, axes, rep = self.mesh, self.axis_name, NamedSharding(self.mesh, P())
+        params = jax.device_put(params, rep)
+        rest = jax.device_put(rest, rep)
+        template = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+        fs, tx = None, self.tx
+        if self.mode == "zero":
+            tx = distributed_optimizer(
+                self.tx, axis_name=axes, bucket_size=self.bucket_size,
+                reduce_dtype=self.reduce_dtype, clip_grad_norm=self.clip_grad_norm,
+                loss_scale=self.loss_scale, rules=self.rules, stacked=self.stacked or None,
+            )  # fmt: skip
+            opt_state = tx.sharded_init(params, mesh)
+            opt_specs = tx.state_specs(params, mesh)
+            param_specs, held, n_flags = jax.tree.map(lambda _: P(), params), params, len(leaves)
+        elif self.mode == "ddp":
+            init = jax.shard_map(self.tx.init, mesh=mesh, in_specs=(P(),), out_specs=P())
+            opt_state = jax.jit(init)(params)
+            opt_specs = jax.tree.map(lambda _: P(), opt_state)
+            param_specs, held, n_flags = jax.tree.map(lambda _: P(), params), params, len(leaves)
+        else:
+            fs = fully_shard(
+                params, axis_name=axes, units=self.units or _default_units(params, self.stacked),
+                mesh=mesh, policy=self.policy, reshard_after_forward=self.reshard_after_forward,
+                stacked=self.stacked or None,
+            )  # fmt: skip
+            held = fs.shard(params)
+            opt_state, opt_specs = fs.init_optimizer(self.tx, held, mesh)
+            param_specs, n_flags = fs.specs(), len(fs.units)
+        guard = None
+        if self.mode != "zero":
+            guard = jax.device_put(
+                GuardState(init_loss_scale(self.loss_scale), initial_metrics(n_flags)), rep
+            )
+        state = TrainState(
+            step=jax.device_put(jnp.zeros((), jnp.int32), rep),
+            params=held,
+            opt_state=opt_state,
+            model_state=rest,
+            guard=guard,
+        )
+        specs = TrainState(
+            step=P(), params=param_specs, opt_state=opt_specs,
+            model_state=jax.tree.map(lambda _: P(), rest),
+            guard=jax.tree.map(lambda _: P(), guard),
+        )  # fmt: skip
+        state = _distinct(state)
+        plan = _Plan(model, template, tx, fs, specs, None)  # type: ignore[arg-type]
+        object.__setattr__(plan, "fn", self._build(plan))
+        self._plans[signature(state)] = plan
+        return state
+
+    # ------------------------------------------------------------------ step
+    def __call__(self, state: TrainState, batch: PyTree) -> tuple[TrainState, jax.Array]:
+        """One step on the global ``batch`` (host arrays are fine): ``(state, loss)``."""
+        plan = self._plan(state, "TrainStep.__call__")
+        return plan.fn(state, self.place(batch))
+
+    def place(self, batch: PyTree) -> PyTree:
+        """``batch`` sharded over the data axes (rows per device must split into
+        ``microbatches``); what ``__call__`` does to its batch."""
+        n = mesh_axes_size(self.mesh, self.axis_name, "TrainStep")
+        for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]:
+            rows = np.shape(x)[0] if np.ndim(x) else None
+            if rows is not None and self.microbatches > 1 and rows % (n * self.microbatches) == 0:
+                continue
+            if rows is not None and self.microbatches > 1 and rows % n == 0:
+                raise ValueError(
+                    f"batch leaf {jax.tree_util.keystr(path)} has {rows} rows: {rows // n} per "
+                    f"device over axis {self.axis_name} (size {n}), which `microbatches="
+                    f"{self.microbatches}` does not divide. Use a global batch that is a "
+                    f"multiple of {n * self.microbatches}."
+                )
+        return shard_batch(batch, self.mesh, axis_name=self.axis_name)
+
+    def _plan(self, state: Any, fn: str) -> _Plan:
+        if not isinstance(state, TrainState):
+            raise TypeError(f"{fn}: `state` must be the TrainState from `init`, got {type(state).__name__}.")
+        plan = self._plans.get(signature(state))
+        if plan is None:
+            raise ValueError(
+                f"{fn}: this state's structure, shapes or shardings match no `init` of this "
+                "TrainStep. Build the state with `step.init(params_or_module)` (a restored "
+                "state too: restore into the state `init` returns)."
+            )
+        return plan
+
+    def _build(self, plan: _Plan) -> Callable[..., Any]:
+        axes = self.axis_name
+        data = axes if len(axes) > 1 else axes[0]
+        per_device = {"zero": self._zero, "ddp": self._ddp, "fsdp": self._fsdp}[self.mode]
+        body = jax.shard_map(
+            lambda state, batch: per_device(plan, state, batch),
+            mesh=self.mesh,
+            in_specs=(plan.specs, P(data)),
+            out_specs=(plan.specs, P()),
+        )
+        return jax.jit(body, donate_argnums=(0,) if self.donate else ())
+
+    # ------------------------------------------------------ per-device steps
+    def _loss_of(self, plan: _Plan, state: TrainState) -> Callable[[Any, Any], jax.Array]:
+        """``(params view, batch) -> scaled local loss``, merging an NNX module if any."""
+        scale = state.loss_scale.scale
+
+        def loss(params: Any, batch: Any) -> jax.Array:
+            with trace_views():
+                if plan.model is None:
+                    out = self.loss_fn(params, batch)
+                else:
+                    plain, views = _split_views(params, self.stacked, plan.template)
+                    out = self.loss_fn(plan.model.merge(plain, state.model_state, views), batch)
+            if not hasattr(out, "shape") or out.shape != ():
+                raise ValueError(
+                    f"`loss_fn` must return a scalar loss (the mean over this device's rows), "
+                    f"got {type(out).__name__} of shape {getattr(out, 'shape', None)}. Reduce "
+                    "it with jnp.mean; return aux values through the model or params instead."
+                )
+            return out * scale.astype(out.dtype)
+
+        return loss
+
+    def _grads(self, plan: _Plan, state: TrainState, batch: Any, sync: Any) -> tuple[Any, Any]:
+        loss = self._loss_of(plan, state)
+        rules = None if sync is not None else self.rules
+        if self.microbatches == 1:
+            vg = value_and_grad(loss, axis_name=self.axis_name, rules=rules, sync=sync)
+            return vg(state.params, batch)
+        check_microbatches(self.microbatches, batch)
+        mbs = jax.tree.map(lambda x: x.reshape(self.microbatches, -1, *x.shape[1:]), batch)
+        return accumulate_grads(
+            loss, state.params, mbs, axis_name=self.axis_name, rules=rules, sync=sync
+        )
+
+    def _zero(self, plan: _Plan, state: TrainState, batch: Any) -> tuple[TrainState, Any]:
+        tx = plan.tx
+        loss, grads = self._grads(plan, state, batch, tx if self.stacked else None)
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        finite = jnp.logical_not(opt_state.metrics.skipped)
+        new = state._replace(
+            step=state.step + finite.astype(jnp.int32),
+            params=optax.apply_updates(state.params, updates),
+            opt_state=opt_state,
+        )
+        return new, self._mean_loss(loss, state)
+
+    def _ddp(self, plan: _Plan, state: TrainState, batch: Any) -> tuple[TrainState, Any]:
+        sync = None
+        if self.stacked:
+            sync = DataParallel(
+                self.axis_name, bucket_size=self.bucket_size, reduce_dtype=self.reduce_dtype,
+                rules=self.rules, stacked=self.stacked,
+            )  # fmt: skip
+        loss, local = self._grads(plan, state, batch, sync)
+        grads = local
+        if sync is None:
+            grads = all_reduce_grads(
+                local, axis_name=self.axis_name, bucket_size=self.bucket_size,
+                reduce_dtype=self.reduce_dtype, rules=self.rules,
+            )  # fmt: skip
+        grads = _unscale(grads, state.loss_scale.scale)
+        return self._finish(plan, state, grads, local, global_stats(grads), loss)
+
+    def _fsdp(self, plan: _Plan, state: TrainState, batch: Any) -> tuple[TrainState, Any]:
+        fs = plan.fs
+        loss_of = self._loss_of(plan, state)
+        loss, grads = fs.value_and_grad(
+            lambda shards, b: loss_of(fs.view(shards), b),
+            state.params,
+            batch,
+            microbatches=self.microbatches,
+        )
+        grads = _unscale(grads, state.loss_scale.scale)
+        stats = global_stats(grads, fs.axes, padding_of([fs.layout(u) for u in fs.units]))
+        return self._finish(plan, state, grads, grads, stats, loss)
+
+    def _finish(
+        self, plan: _Plan, state: TrainState, grads: Any, flags: Any, stats: Any, loss: Any
+    ) -> tuple[TrainState, Any]:
+        params, opt_state, scale, metrics, finite = guarded_update(
+            state, plan.tx, grads, flags, stats,
+            clip_grad_norm=self.clip_grad_norm, loss_scale=self.loss_scale,
+        )  # fmt: skip
+        new = TrainState(
+            state.step + finite.astype(jnp.int32), params, opt_state, state.model_state,
+            GuardState(scale, metrics),
+        )  # fmt: skip
+        return new, self._mean_loss(loss, state)
+
+    def _mean_loss(self, loss: jax.Array, state: TrainState) -> jax.Array:
+        loss = loss / state.loss_scale.scale.astype(loss.dtype)
+        return jax.lax.pmean(loss, self.axis_name)
+
+    # ------------------------------------------------------------ state API
+    def state_specs(self, state: TrainState) -> TrainState:
+        """PartitionSpecs of ``state``'s arrays (for your own shard_map or jit)."""
+        return self._plan(state, "TrainStep.state_specs").specs
+
+    def state_shardings(self, state: TrainState) -> TrainState:
+        """``NamedSharding``s of ``state``'s arrays (e.g. to restore a checkpoint into)."""
+        return jax.tree.map(
+            lambda s: NamedSharding(self.mesh, s),
+            self.state_specs(state),
+            is_leaf=lambda x: isinstance(x, P),
+        )
+
+    def optimizer(self, state: TrainState) -> Any:
+        """The optimizer the step runs (``"zero"``: the distributed optimizer around ``tx``;
+        FSDP: ``tx``), e.g. for ``Checkpointer.save(tx=...)``."""
+        return self._plan(state, "TrainStep.optimizer").tx
+
+    def fully_shard(self, state: TrainState) -> Any:
+        """The :class:`jaxsync.FullyShard` of an ``"fsdp"`` step (None otherwise)."""
+        return self._plan(state, "TrainStep.fully_shard").fs
+
+    def params(self, state: TrainState) -> PyTree:
+        """The params as a pytree shaped like the ones given to ``init``, replicated
+        (FSDP: gathered from the shards, in the params' own dtypes)."""
+        plan = self._plan(state, "TrainStep.params")
+        if plan.fs is None:
+            return state.params
+        full = plan.fs.unshard(state.params)
+        return jax.tree.map(lambda x, t: x.astype(t.dtype), full, plan.template)
+
+    def master(self, state: TrainState) -> PyTree:
+        """The fp32 master weights, as a pytree shaped like the params.
+
+        ``"zero"``: gathered from the distributed optimizer's shards; ``"fsdp"``:
+        the fp32 shards, gathered; ``"ddp"``: the params themselves in fp32 (DDP
+        keeps no separate master).
+        """
+        plan = self._plan(state, "TrainStep.master")
+        if plan.fs is not None:
+            return plan.fs.unshard(state.params)
+        if self.mode == "ddp":
+            return jax.tree.map(lambda x: x.astype(jnp.float32), state.params)
+        master = plan.tx.to_portable(state.opt_state, state.params, self.mesh)["master"]
+        return jax.tree_util.tree_map_with_path(
+            lambda path, _: master[param_name(path)], plan.template
+        )
+
+    def model(self, state: TrainState) -> Any:
+        """The trained ``nnx.Module`` (for an ``init`` given a module)."""
+        plan = self._plan(state, "TrainStep.model")
+        if plan.model is None:
+            raise ValueError(
+                "TrainStep.model: this state was initialised from a pytree of params, not an "
+                "nnx.Module; read `step.params(state)` instead."
+            )
+        return plan.model.merge(self.params(state), state.model_state)
+
+
+def _distinct(tree: PyTree) -> PyTree:
+    """``tree`` with no buffer twice (shared zeros, tied leaves): the step donates
+    the state, and XLA refuses to donate one buffer for two arguments."""
+    seen: set[Any] = set()
+
+    def one(x: jax.Array) -> jax.Array:
+        ptrs = {s.data.unsafe_buffer_pointer() for s in x.addressable_shards}
+        if ptrs & seen:
+            x = jax.device_put(x, x.sharding, may_alias=False)
+            ptrs = {s.data.unsafe_buffer_pointer() for s in x.addressable_shards}
+        seen.update(ptrs)
+        return x
+
+    return jax.tree.map(one, tree)
+
+
+def _unscale(grads: Any, scale: jax.Array) -> Any:
+    return jax.tree.map(lambda g: (g.astype(jnp.float32) / scale).astype(g.dtype), grads)
+
+
+def _default_units(params: PyTree, stacked: Sequence[str]) -> list[str]:
+    """One FSDP unit per top-level entry of the params (stacked groups: their own)."""
+    units: dict[str, None] = {}
+    for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]:
+        name = param_name(path)
+        if group_of(name, stacked) is None:
+            units[name.split(".")[0]] = None
+    return list(units)
+
+
+def _split_views(params: Any, stacked: Sequence[str], template: Any) -> tuple[Any, dict]:
+    """Replaces each stacked group's view in ``params`` (a nested dict) by plain values.
+
+    A :class:`LayerStack` gives its params (arrays); FSDP's sharded layers give
+    ``ShapeDtypeStruct`` placeholders, which fail loudly if read outside
+    :func:`jaxsync.scan_layers`. Returns the plain dict and ``{group: view}``.
+    """
+    views: dict[str, Any] = {}
+    if not stacked:
+        return params, views
+
+    def walk(node: Any, tmpl: Any, prefix: str) -> Any:
+        if isinstance(node, LayerStack | ShardedLayers):
+            views[prefix] = node
+            return node.params if isinstance(node, LayerStack) else tmpl
+        if isinstance(node, dict):
+            return {
+                k: walk(v, tmpl[k], f"{prefix}.{k}" if prefix else str(k)) for k, v in node.items()
+            }
+        return node
+
+    return walk(params, template, ""), views
+
+
+def train_step(
+    loss_fn: Callable[[Any, Any], jax.Array],
+    tx: optax.GradientTransformation,
+    mesh: Mesh,
+    *,
+    mode: str = "zero",
+    axis_name: AxisName = "data",
+    microbatches: int = 1,
+    rules: SyncRules | None = None,
+    stacked: str | Sequence[str] | None = None,
+    clip_grad_norm: float | None = None,
+    loss_scale: LossScale = None,
+    bucket_size: int | None = None,
+    reduce_dtype: Any = jnp.float32,
+    units: Sequence[str] | None = None,
+    policy: MixedPrecision | None = None,
+    reshard_after_forward: bool = True,
+    donate: bool = True,
+) -> TrainStep:
+    """Builds a jitted data-parallel training step: DDP, ZeRO or FSDP.
+
+    From single-device optax, ``tx.init``/``jax.grad``/``tx.update`` become
+    ``step = train_step(loss_fn, tx, mesh)``, ``state = step.init(params)``,
+    ``state, loss = step(state, batch)``. Inside, the step is one
+    ``jax.jit(jax.shard_map(...))`` over ``mesh`` with the state's specs and the
+    state donated; ``loss_fn`` runs per device on its rows of the batch, the
+    gradients are synced by jaxsync (never JAX's implicit all-reduce) and the
+    returned loss is averaged over the data-parallel devices.
+
+    Args:
+      loss_fn: ``loss_fn(params, batch) -> scalar`` (the mean over the rows it is
+        given), or ``loss_fn(model, batch)`` when ``init`` gets an ``nnx.Module``.
+      tx: any optax optimizer; ``"zero"`` and ``"fsdp"`` need an elementwise one
+        (checked at ``init``). Do not put ``optax.clip_by_global_norm`` in it:
+        pass ``clip_grad_norm``, which clips by the true global norm in every mode.
+      mesh: the device mesh; ``axis_name`` must be among its axes.
+      mode: ``"zero"`` (sharded fp32 master and optimizer state), ``"ddp"``
+        (replicated optimizer, bucketed all-reduce) or ``"fsdp"`` (params too
+        sharded, gathered per unit).
+      axis_name: the data-parallel axis (or axes); the batch is split over it.
+      microbatches: gradient accumulation: each device's rows are split into this
+        many microbatches, run one after another and synced once.
+      rules: :class:`jaxsync.SyncRules` (``"ddp"``/``"zero"``).
+      stacked: dotted name prefixes of scanned layer groups (``"blocks"``): their
+        gradients are reduced inside the backward scan. The model runs them with
+        :func:`jaxsync.scan_layers` (NNX) or ``lax.scan`` + :func:`jaxsync.tap`.
+      clip_grad_norm: clip by this global L2 norm.
+      loss_scale: ``None``, a constant, or a :class:`jaxsync.DynamicLossScale`
+        (the loss is scaled and the gradients unscaled for you; non-finite steps
+        are skipped in every mode).
+      bucket_size: elements per communication bucket (``"ddp"``/``"zero"``).
+      reduce_dtype: dtype of the gradient reduction (``"ddp"``/``"zero"``).
+      units: FSDP units (param-name prefixes); default one per top-level entry.
+      policy: FSDP :class:`jaxsync.MixedPrecision`.
+      reshard_after_forward: FSDP: gather again in the backward (less memory).
+      donate: donate the state to the step (its buffers are reused).
+
+    Returns:
+      A :class:`TrainStep`.
+
+    Example:
+      >>> step = jaxsync.train_step(loss_fn, optax.adamw(1e-3), mesh, mode="zero")
+      >>> state = step.init(params)            # or an nnx.Module
+      >>> state, loss = step(state, batch)     # host arrays are placed for you
+      >>> params = step.params(state)
+    """
+    if mode not in MODES:
+        raise ValueError(
+            f"`mode` must be one of {MODES} (replicated optimizer / ZeRO-1/2 / fully "
+            f"sharded), got {mode!r}."
+        )
+    if not callable(loss_fn):
+        raise TypeError(f"`loss_fn` must be callable as loss_fn(params, batch), got {loss_fn!r}.")
+    if not hasattr(tx, "init") or not hasattr(tx, "update"):
+        raise TypeError(f"`tx` must be an optax GradientTransformation, got {tx!r}.")
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"`mesh` must be a jax.sharding.Mesh (jax.make_mesh), got {mesh!r}.")
+    axes = normalize_axes(axis_name)
+    mesh_axes_size(mesh, axes, "jaxsync.train_step")
+    if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
+        raise ValueError(f"`microbatches` must be a positive int, got {microbatches!r}.")
+    check_rules(rules)
+    if rules is not None and mode == "fsdp":
+        raise ValueError(
+            "`rules` are for mode='ddp' or 'zero'; FSDP shards every param over the data "
+            "axes. Drop `rules`, or use mode='zero'."
+        )
+    check_loss_scale(loss_scale)
+    check_bool(donate, "donate")
+    check_bool(reshard_after_forward, "reshard_after_forward")
+    if units is not None and mode != "fsdp":
+        raise ValueError(f"`units` are FSDP's; mode={mode!r} has none. Drop `units`.")
+    if policy is not None and mode != "fsdp":
+        raise ValueError(f"`policy` is FSDP's mixed precision; mode={mode!r}. Drop `policy`.")
+    return TrainStep(
+        loss_fn=loss_fn,
+        tx=tx,
+        mesh=mesh,
+        mode=mode,
+        axis_name=axes,
+        microbatches=microbatches,
+        rules=rules,
+        stacked=normalize_stacked(stacked),
+        clip_grad_norm=check_positive(clip_grad_norm, "clip_grad_norm"),
+        loss_scale=loss_scale,
+        bucket_size=check_bucket_size(bucket_size),
+        reduce_dtype=reduce_dtype,
+        units=None if units is None else tuple(units),
+        policy=policy,
+        reshard_after_forward=reshard_after_forward,
+        donate=donate,
+    )
