@@ -32,7 +32,9 @@ PyTree = Any
 # The stacked-layer views of the module being merged inside a step, by the id of
 # the submodule that holds the group. Set only while the user's loss function is
 # traced (a context, like a trace-time argument), never between steps.
-_VIEWS: contextvars.ContextVar[dict[int, Any]] = contextvars.ContextVar("jaxsync_views", default={})
+_VIEWS: contextvars.ContextVar[dict[int, Any] | None] = contextvars.ContextVar(
+    "jaxsync_views", default=None
+)
 
 
 def _abstract(tree: PyTree) -> PyTree:
@@ -66,7 +68,7 @@ class ModelDef:
         nnx.replace_by_pure_dict(rst, rest)
         model = nnx.merge(self.graphdef, pst, rst)
         if views:
-            registry = dict(_VIEWS.get())
+            registry = dict(_VIEWS.get() or {})
             for name, view in views.items():
                 registry[id(_submodule(model, name))] = view
             _VIEWS.set(registry)
@@ -139,7 +141,7 @@ def scan_layers(
             f"leading layer axis (built under nnx.vmap), got {type(layers).__name__}."
         )
     graphdef, params, rest = nnx.split(layers, nnx.Param, ...)
-    view = _VIEWS.get().get(id(layers))
+    view = (_VIEWS.get() or {}).get(id(layers))
     xs = view if view is not None else nnx.to_pure_dict(params)
     rest_xs = nnx.to_pure_dict(rest)
     ptemplate = _abstract(params)

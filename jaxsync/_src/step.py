@@ -102,11 +102,12 @@ class TrainStep:
         if is_module(params):
             model, params, rest = split_model(params)
         leaves = jax.tree_util.tree_flatten_with_path(params)[0]
-        bad = [param_name(p) for p, x in leaves if not hasattr(x, "shape") or not hasattr(x, "dtype")]
+        bad = [param_name(p) for p, x in leaves if not hasattr(x, "dtype")]
         if not leaves or bad:
+            what = "it is empty" if not leaves else f"leaves {bad[:4]} are not arrays"
             raise TypeError(
-                "TrainStep.init: `params` must be a non-empty pytree of arrays or an "
-                f"nnx.Module; {'it is empty' if not leaves else f'leaves {bad[:4]} are not arrays'}."
+                f"TrainStep.init: `params` must be a non-empty pytree of arrays or an nnx.Module; "
+                f"{what}."
             )
         mesh, axes, rep = self.mesh, self.axis_name, NamedSharding(self.mesh, P())
         params = jax.device_put(params, rep)
@@ -165,6 +166,11 @@ class TrainStep:
         plan = self._plan(state, "TrainStep.__call__")
         return plan.fn(state, self.place(batch))
 
+    def lower(self, state: TrainState, batch: PyTree) -> Any:
+        """The step lowered for ``state`` and ``batch`` (``.compile()``, then e.g.
+        :func:`jaxsync.overlap_report` or ``.memory_analysis()``)."""
+        return self._plan(state, "TrainStep.lower").fn.lower(state, self.place(batch))
+
     def place(self, batch: PyTree) -> PyTree:
         """``batch`` sharded over the data axes (rows per device must split into
         ``microbatches``); what ``__call__`` does to its batch."""
@@ -184,7 +190,9 @@ class TrainStep:
 
     def _plan(self, state: Any, fn: str) -> _Plan:
         if not isinstance(state, TrainState):
-            raise TypeError(f"{fn}: `state` must be the TrainState from `init`, got {type(state).__name__}.")
+            raise TypeError(
+                f"{fn}: `state` must be the TrainState from `init`, got {type(state).__name__}."
+            )
         plan = self._plans.get(signature(state))
         if plan is None:
             raise ValueError(
@@ -359,11 +367,17 @@ class TrainStep:
 
 
 def _distinct(tree: PyTree) -> PyTree:
-    """``tree`` with no buffer twice (shared zeros, tied leaves): the step donates
-    the state, and XLA refuses to donate one buffer for two arguments."""
+    """``tree`` as the step returns it: specs written out per dimension (``P()`` of
+    a matrix is ``P(None, None)``, else the second call would compile again), and
+    no buffer twice (shared zeros, tied leaves), since the step donates the state
+    and XLA refuses to donate one buffer for two arguments."""
     seen: set[Any] = set()
 
     def one(x: jax.Array) -> jax.Array:
+        spec = x.sharding.spec
+        if len(spec) < x.ndim:
+            full = P(*spec, *([None] * (x.ndim - len(spec))))
+            x = jax.device_put(x, NamedSharding(x.sharding.mesh, full))
         ptrs = {s.data.unsafe_buffer_pointer() for s in x.addressable_shards}
         if ptrs & seen:
             x = jax.device_put(x, x.sharding, may_alias=False)

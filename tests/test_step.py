@@ -1,0 +1,239 @@
+"""jaxsync.train_step: flax NNX models trained in each mode equal single-device optax.
+
+Tiny models, three steps, one compile per test: the whole file is meant to stay
+well under a minute on two CPU cores.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxsync
+
+RTOL, ATOL = 3e-5, 3e-6
+
+
+class MLP(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.l1 = nnx.Linear(6, 9, rngs=rngs)
+        self.l2 = nnx.Linear(9, 3, rngs=rngs)
+
+    def __call__(self, x):
+        return self.l2(jnp.tanh(self.l1(x)))
+
+
+class Block(nnx.Module):
+    def __init__(self, d: int, rngs: nnx.Rngs):
+        self.ln = nnx.LayerNorm(d, rngs=rngs)
+        self.lin = nnx.Linear(d, d, rngs=rngs)
+
+    def __call__(self, x):
+        return x + jnp.tanh(self.lin(self.ln(x)))
+
+
+class Scanned(nnx.Module):
+    """Blocks stacked by nnx.vmap and run by jaxsync.scan_layers (lax.scan + tap)."""
+
+    def __init__(self, rngs: nnx.Rngs, layers: int = 3, tapped: bool = True):
+        self.tapped = tapped
+        self.inp = nnx.Linear(6, 8, rngs=rngs)
+
+        @nnx.split_rngs(splits=layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def stack(rngs: nnx.Rngs) -> Block:
+            return Block(8, rngs)
+
+        self.blocks = stack(rngs)
+        self.out = nnx.Linear(8, 3, rngs=rngs)
+
+    def __call__(self, x):
+        h = self.inp(x)
+        if self.tapped:
+            h = jaxsync.scan_layers(self.blocks, lambda block, h: block(h), h)
+        else:  # scanned by hand, without jaxsync.tap: the builder must refuse it
+            graphdef, state = nnx.split(self.blocks)
+
+            def body(h, layer):
+                st = jax.tree.map(lambda v: v, state)
+                nnx.replace_by_pure_dict(st, layer)
+                return nnx.merge(graphdef, st)(h), None
+
+            h, _ = jax.lax.scan(body, h, nnx.to_pure_dict(state))
+        return self.out(h)
+
+
+def loss_fn(model, batch):
+    x, y = batch
+    return jnp.mean((model(x) - y) ** 2)
+
+
+def make_batches(steps: int = 3, rows: int = 32, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    return [
+        (rng.standard_normal((rows, 6), np.float32), rng.standard_normal((rows, 3), np.float32))
+        for _ in range(steps)
+    ]
+
+
+def reference(model: nnx.Module, tx, batches):
+    """Single-device optax on the whole batch; returns (params, last grad norm)."""
+    graphdef, params_state = nnx.split(model, nnx.Param)
+    params = nnx.to_pure_dict(params_state)
+
+    def loss(params, batch):
+        st = jax.tree.map(lambda v: v, params_state)
+        nnx.replace_by_pure_dict(st, params)
+        return loss_fn(nnx.merge(graphdef, st), batch)
+
+    @jax.jit
+    def step(params, opt_state, batch):
+        grads = jax.grad(loss)(params, batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, optax.tree.norm(grads)
+
+    opt_state = tx.init(params)
+    for b in batches:
+        params, opt_state, norm = step(params, opt_state, b)
+    return params, norm
+
+
+def params_of(model: nnx.Module):
+    return nnx.to_pure_dict(nnx.state(model, nnx.Param))
+
+
+def assert_close(got, want, rtol=RTOL, atol=ATOL):
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol, atol),
+        got,
+        want,
+    )
+
+
+def shardings(tree):
+    return [x.sharding for x in jax.tree.leaves(tree)]
+
+
+@pytest.mark.parametrize("mode", ["ddp", "zero", "fsdp"])
+def test_nnx_module_matches_single_device_optax(mesh8, mode):
+    batches = make_batches()
+    step = jaxsync.train_step(loss_fn, optax.adam(1e-2), mesh8, mode=mode, clip_grad_norm=0.5)
+    state = step.init(MLP(nnx.Rngs(0)))
+    specs, before = step.state_specs(state), shardings(state)
+    for b in batches:  # host numpy batches: the step places them
+        state, loss = step(state, b)
+    want, norm = reference(MLP(nnx.Rngs(0)), optax.chain(optax.clip_by_global_norm(0.5),
+                                                          optax.adam(1e-2)), batches)  # fmt: skip
+    model = step.model(state)
+    assert isinstance(model, MLP)
+    assert_close(params_of(model), want)
+    assert_close(step.master(state), want)  # fp32 master, shaped like the params
+    # one state API: same specs and shardings after steps, metrics in every mode
+    assert step.state_specs(state) == specs and shardings(state) == before
+    assert int(state.step) == 3 and not bool(state.metrics.skipped)
+    np.testing.assert_allclose(state.metrics.grad_norm, norm, rtol=1e-5)
+    assert float(state.loss_scale.scale) == 1.0 and np.isfinite(loss) and loss.shape == ()
+    if mode != "ddp":  # optimizer state: 1/8 per device
+        held = [x for x in jax.tree.leaves(state.opt_state) if "data" in str(x.sharding.spec)]
+        assert len(held) >= 2  # Adam's moments (and ZeRO's master)
+        assert all(x.addressable_shards[0].data.size * 8 == x.size for x in held)
+
+
+@pytest.mark.parametrize(("mode", "microbatches"), [("ddp", 2), ("zero", 2), ("fsdp", 1)])
+def test_scanned_stack_syncs_in_the_loop(mesh8, mode, microbatches):
+    batches = make_batches()
+    step = jaxsync.train_step(
+        loss_fn, optax.adamw(1e-2), mesh8, mode=mode, stacked="blocks", microbatches=microbatches
+    )
+    state = step.init(Scanned(nnx.Rngs(0)))
+    for b in batches:
+        state, _ = step(state, b)
+    want, _ = reference(Scanned(nnx.Rngs(0)), optax.adamw(1e-2), batches)
+    assert_close(params_of(step.model(state)), want)
+    # each layer's gradient is reduced inside the backward scan (3 layers)
+    report = jaxsync.overlap_report(step.lower(state, batches[0]).compile())
+    kind = "all-reduce" if mode == "ddp" else "reduce-scatter"
+    in_loop = report.in_loop(kind=kind, role="backward")
+    assert in_loop and all(c.trip_count == 3 for c in in_loop), report
+
+
+def test_plain_pytree_microbatches_and_loss_scale_skip(mesh8):
+    """Params as a plain pytree, FSDP with microbatches and a dynamic loss scale: a
+    NaN batch is skipped (params unchanged, scale backs off, counted in metrics)."""
+    model = MLP(nnx.Rngs(1))
+    params = params_of(model)
+    graphdef, params_state = nnx.split(model, nnx.Param)
+
+    def pytree_loss(params, batch):
+        st = jax.tree.map(lambda v: v, params_state)
+        nnx.replace_by_pure_dict(st, params)
+        return loss_fn(nnx.merge(graphdef, st), batch)
+
+    scaler = jaxsync.DynamicLossScale(initial_scale=2.0**10, hysteresis=1)
+    step = jaxsync.train_step(
+        pytree_loss, optax.sgd(0.1), mesh8, mode="fsdp", microbatches=2, loss_scale=scaler
+    )
+    state = step.init(params)
+    good = make_batches(steps=1)[0]
+    state, _ = step(state, good)
+    after_one = step.params(state)
+    want, _ = reference(MLP(nnx.Rngs(1)), optax.sgd(0.1), [good])
+    assert_close(after_one, want)
+    bad = (good[0].copy(), good[1])
+    bad[0][5, 2] = np.nan
+    state, _ = step(state, bad)
+    jax.tree.map(np.testing.assert_array_equal, step.params(state), after_one)
+    m = state.metrics
+    assert bool(m.skipped) and int(m.skipped_steps) == 1 and int(state.step) == 1
+    assert float(state.loss_scale.scale) == 2.0**9
+
+
+def test_bad_input_is_named(mesh8):
+    batch = make_batches(steps=1)[0]
+    with pytest.raises(ValueError, match="`mode` must be one of"):
+        jaxsync.train_step(loss_fn, optax.adam(1e-3), mesh8, mode="zero3")
+    with pytest.raises(ValueError, match="axis"):
+        jaxsync.train_step(loss_fn, optax.adam(1e-3), mesh8, axis_name="batch")
+    with pytest.raises(TypeError, match="`tx` must be an optax"):
+        jaxsync.train_step(loss_fn, lambda g: g, mesh8)
+    with pytest.raises(ValueError, match="`rules` are for mode='ddp' or 'zero'"):
+        jaxsync.train_step(loss_fn, optax.adam(1e-3), mesh8, mode="fsdp",
+                           rules=jaxsync.SyncRules.of({}))  # fmt: skip
+
+    step = jaxsync.train_step(loss_fn, optax.adam(1e-3), mesh8, mode="ddp", microbatches=2)
+    state = step.init(MLP(nnx.Rngs(0)))
+    with pytest.raises(ValueError, match=r"batch axis 0 must divide evenly over axis \('data',\)"):
+        step(state, (batch[0][:12], batch[1][:12]))
+    with pytest.raises(ValueError, match="`microbatches=2` does not divide"):
+        step(state, (batch[0][:8], batch[1][:8]))
+    with pytest.raises(TypeError, match="`state` must be the TrainState"):
+        step(state.params, batch)
+
+    def per_row(model, batch):
+        return (model(batch[0]) - batch[1]) ** 2
+
+    bad = jaxsync.train_step(per_row, optax.adam(1e-3), mesh8, mode="zero")
+    with pytest.raises(ValueError, match="`loss_fn` must return a scalar loss"):
+        bad(bad.init(MLP(nnx.Rngs(0))), batch)
+
+    # a scanned model that bypasses jaxsync.tap would lose its stacked gradients
+    untapped = jaxsync.train_step(loss_fn, optax.adam(1e-3), mesh8, stacked="blocks")
+    with pytest.raises(ValueError, match="no scanned layer body passed its layer through"):
+        untapped(untapped.init(Scanned(nnx.Rngs(0), tapped=False)), batch)
+
+
+def test_fully_shard_takes_the_mesh_once(mesh8):
+    params = params_of(MLP(nnx.Rngs(0)))
+    fs = jaxsync.fully_shard(params, axis_name="data", units=["l1", "l2"], mesh=mesh8)
+    shards = fs.shard(params)
+    opt_state, specs = fs.init_optimizer(optax.adam(1e-3), shards)
+    assert specs[0].mu == fs.specs()
+    assert all(s.sharding == NamedSharding(mesh8, P("data")) for s in shards.values())
+    assert_close(fs.unshard(shards), params, rtol=0, atol=0)
+    assert_close(fs.unshard(shards, mesh8), params, rtol=0, atol=0)  # the old signature
