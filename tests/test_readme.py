@@ -25,6 +25,7 @@ import builtins
 import contextlib
 import dataclasses
 import importlib.util
+import os
 import re
 from collections.abc import Callable
 from functools import partial
@@ -152,6 +153,116 @@ def shard_fraction(x: jax.Array) -> float:
 # ------------------------------------------------------- setups and checks
 # Each block's setup adds what the README's prose describes but does not spell
 # out; its check asserts what the block claims. ``ctx`` keeps values between them.
+
+
+def setup_quickstart(ns: dict, ctx: SimpleNamespace) -> None:
+    # The block sets XLA_FLAGS for a fresh process; jax is imported here already
+    # (with 8 devices): keep the suite's own flags for the processes it starts.
+    ctx.xla_flags = os.environ.get("XLA_FLAGS")
+
+
+def nnx_params(model: Any) -> Any:
+    from flax import nnx
+
+    return nnx.to_pure_dict(nnx.state(model, nnx.Param))
+
+
+def nnx_reference(model: Any, opt: optax.GradientTransformation, loss_fn: Callable,
+                  batches: list) -> Any:  # fmt: skip
+    """``opt`` on one device over ``batches``, for a flax NNX ``model``."""
+    from flax import nnx
+
+    graphdef, state = nnx.split(model, nnx.Param)
+
+    def loss(params, batch):
+        st = jax.tree.map(lambda v: v, state)
+        nnx.replace_by_pure_dict(st, params)
+        return loss_fn(nnx.merge(graphdef, st), batch)
+
+    @jax.jit
+    def step(params, opt_state, batch):
+        updates, opt_state = opt.update(jax.grad(loss)(params, batch), opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    params = nnx.to_pure_dict(state)
+    opt_state = opt.init(params)
+    for b in batches:
+        params, opt_state = step(params, opt_state, b)
+    return params
+
+
+def check_quickstart(ns: dict, ctx: SimpleNamespace) -> None:
+    from flax import nnx
+
+    if ctx.xla_flags is None:
+        os.environ.pop("XLA_FLAGS", None)
+    else:
+        os.environ["XLA_FLAGS"] = ctx.xla_flags
+    state, data = ns["state"], ns["data"]
+    assert all(shard_fraction(m) == 1 / 8 for m in state.opt_state.master)  # ZeRO
+    # the same model on one device, with optax.adamw(1e-2) on the same batches
+    rngs = nnx.Rngs(0)
+    model = nnx.Sequential(nnx.Linear(8, 32, rngs=rngs), nnx.tanh, nnx.Linear(32, 1, rngs=rngs))
+    batches = [(x, np.sin(x).sum(1, keepdims=True)) for x in data]
+    first = float(ns["loss_fn"](model, batches[0]))
+    ref = nnx_reference(model, optax.adamw(1e-2), ns["loss_fn"], batches)
+    close(nnx_params(ns["model"]), ref, rtol=1e-4, atol=1e-5)
+    assert isinstance(ns["model"], nnx.Sequential) and float(ns["loss"]) < first / 2
+    ctx.nnx_loss = ns["loss_fn"]
+
+
+def check_train_step(ns: dict, ctx: SimpleNamespace) -> None:
+    np.testing.assert_allclose(ns["loss"], mlp_loss(ctx.params, ns["batch"]), rtol=1e-5)
+    ref = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(3e-4))
+    close(ns["params"], one_step(ref, mlp_loss, ctx.params, ns["batch"]))
+    state = ns["state"]
+    assert int(state.step) == 1 and float(state.metrics.grad_norm) > 0
+    assert all(x.sharding.is_fully_replicated for x in jax.tree.leaves(ns["params"]))
+
+
+def setup_nnx_scanned(ns: dict, ctx: SimpleNamespace) -> None:
+    ns["loss_fn"] = ctx.nnx_loss  # the quick start's loss_fn(model, batch)
+    ns["batch"] = (normal(104, ROWS, 8), normal(105, ROWS, 1))
+
+
+def check_nnx_scanned(ns: dict, ctx: SimpleNamespace) -> None:
+    from flax import nnx
+
+    step, state, batch = ns["step"], ns["state"], ns["batch"]
+    ref = nnx_reference(ns["Net"](4, nnx.Rngs(1)), optax.adamw(1e-2), ns["loss_fn"], [batch])
+    close(nnx_params(step.model(state)), ref)
+    report = jaxsync.overlap_report(step.lower(state, batch).compile())
+    for kind, role in (("all-gather", "forward"), ("reduce-scatter", "backward")):
+        in_loop = report.in_loop(kind=kind, role=role)
+        assert in_loop and all(c.trip_count == 4 for c in in_loop), report
+
+
+def setup_accumulate(ns: dict, ctx: SimpleNamespace) -> None:
+    ns["opt_state"] = ns["tx"].sharded_init(ns["params"], ns["mesh"])  # a fresh run
+    ctx.params = ns["params"]
+
+
+def check_accumulate(ns: dict, ctx: SimpleNamespace) -> None:
+    # two microbatches of a device's rows, synced once: the whole batch on one device
+    np.testing.assert_allclose(ns["loss"], mlp_loss(ctx.params, ns["batch"]), rtol=1e-5)
+    ref = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(3e-4))
+    close(ns["params"], one_step(ref, mlp_loss, ctx.params, ns["batch"]))
+
+
+def check_fsdp_step(ns: dict, ctx: SimpleNamespace) -> None:
+    step, state = ns["step"], ns["state"]
+    assert all(shard_fraction(s) == 1 / 8 for s in state.params.values())
+    ref_loss = ns["loss_fn"](ctx.params, ns["batch"])
+    np.testing.assert_allclose(ns["loss"], ref_loss, rtol=2e-2)  # bf16 params in the step
+    np.testing.assert_allclose(state.metrics.grad_norm, optax.tree.norm(
+        jax.grad(ns["loss_fn"])(ctx.params, ns["batch"])), rtol=3e-2)  # fmt: skip
+    # Adam's first step moves each weight by about lr * sign(grad): bf16 gradients
+    # change that only where a gradient is near zero (at most 2 * lr there)
+    ref = one_step(optax.adam(1e-3), ns["loss_fn"], ctx.params, ns["batch"])
+    diff = np.concatenate([np.abs(np.ravel(a) - np.ravel(b)) for a, b in zip(
+        jax.tree.leaves(step.master(state)), jax.tree.leaves(ref), strict=True)])  # fmt: skip
+    assert diff.max() <= 2.001e-3 and np.mean(diff > 2e-4) < 0.02, (diff.max(), diff.mean())
+    assert isinstance(ns["fs"], jaxsync.FullyShard)
 
 
 def setup_ddp(ns: dict, ctx: SimpleNamespace) -> None:
@@ -374,10 +485,15 @@ class Spec:
 
 
 SPECS = {
+    "quickstart": Spec(setup_quickstart, check_quickstart),
+    "train_step": Spec(setup_ddp, check_train_step),
+    "nnx_scanned": Spec(setup_nnx_scanned, check_nnx_scanned),
     "ddp": Spec(setup_ddp, check_ddp),
     "zero": Spec(setup_zero, check_zero),
+    "accumulate": Spec(setup_accumulate, check_accumulate),
     "scanned": Spec(setup_scanned, check_scanned),
     "rules": Spec(run=run_rules),
+    "fsdp_step": Spec(setup_fsdp, check_fsdp_step),
     "fsdp": Spec(setup_fsdp, check_fsdp),
     "multihost": Spec(setup_multihost, check_multihost),
     "checkpoint": Spec(setup_checkpoint, check_checkpoint),

@@ -110,8 +110,9 @@ class TrainStep:
                 f"{what}."
             )
         mesh, axes, rep = self.mesh, self.axis_name, NamedSharding(self.mesh, P())
-        params = jax.device_put(params, rep)
-        rest = jax.device_put(rest, rep)
+        # Copies: the step donates the state, which must never delete the caller's
+        # arrays (or the module's, for an nnx.Module).
+        params, rest = _replicated_copy((params, rest), mesh)
         template = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
         fs, tx = None, self.tx
         if self.mode == "zero":
@@ -364,6 +365,16 @@ class TrainStep:
                 "nnx.Module; read `step.params(state)` instead."
             )
         return plan.model.merge(self.params(state), state.model_state)
+
+
+def _replicated_copy(tree: PyTree, mesh: Mesh) -> PyTree:
+    """``tree`` replicated over ``mesh`` in new buffers (``device_put`` may reuse the
+    caller's buffer for one device, even with ``may_alias=False``)."""
+    placed = jax.device_put(tree, NamedSharding(mesh, P()))
+    copy = jax.shard_map(
+        lambda t: jax.tree.map(jnp.copy, t), mesh=mesh, in_specs=P(), out_specs=P()
+    )
+    return jax.jit(copy)(placed)
 
 
 def _distinct(tree: PyTree) -> PyTree:
