@@ -40,7 +40,8 @@ class TrainState(NamedTuple):
     """Everything a training step reads and writes; global (sharded) arrays.
 
     ``state.metrics`` (:class:`jaxsync.StepMetrics`: grad norm, skipped steps...)
-    and ``state.loss_scale`` read the same in every mode.
+    and ``state.loss_scale`` read the same in every mode (for ``"fsdp"`` the
+    per-param NaN/Inf fields are per unit, in ``fs.units`` order).
 
     Attributes:
       step: steps applied so far (skipped steps not counted), int32.
