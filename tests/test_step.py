@@ -124,7 +124,8 @@ def shardings(tree):
 def test_nnx_module_matches_single_device_optax(mesh8, mode):
     batches = make_batches()
     step = jaxsync.train_step(loss_fn, optax.adam(1e-2), mesh8, mode=mode, clip_grad_norm=0.5)
-    state = step.init(MLP(nnx.Rngs(0)))
+    model = MLP(nnx.Rngs(0))
+    state = step.init(*nnx.split(model)) if mode == "fsdp" else step.init(model)
     specs, before = step.state_specs(state), shardings(state)
     for b in batches:  # host numpy batches: the step places them
         state, loss = step(state, b)
@@ -192,6 +193,28 @@ def test_plain_pytree_microbatches_and_loss_scale_skip(mesh8):
     m = state.metrics
     assert bool(m.skipped) and int(m.skipped_steps) == 1 and int(state.step) == 1
     assert float(state.loss_scale.scale) == 2.0**9
+
+
+def test_rules_reach_the_sync():
+    """Sequence parallelism over "tensor" (each tensor rank takes half of its data
+    rank's rows): the rule averages those partial gradients over "tensor"; without
+    it JAX's autodiff would sum them (SGD shows the factor 2)."""
+    mesh = jax.make_mesh((4, 2), ("data", "tensor"))
+
+    def sp_loss(model, batch):
+        half = jax.tree.map(lambda x: x.reshape(2, -1, *x.shape[1:]), batch)
+        mine = jax.tree.map(lambda x: x[jax.lax.axis_index("tensor")], half)
+        return loss_fn(model, mine)
+
+    rules = jaxsync.SyncRules.of({r".": jaxsync.SequenceParallel("tensor", average=True)})
+    step = jaxsync.train_step(sp_loss, optax.sgd(0.1), mesh, mode="zero", rules=rules)
+    state = step.init(MLP(nnx.Rngs(2)))
+    batches = make_batches(steps=2)
+    for b in batches:
+        state, loss = step(state, b)
+    want, _ = reference(MLP(nnx.Rngs(2)), optax.sgd(0.1), batches)
+    assert_close(params_of(step.model(state)), want)
+    np.testing.assert_allclose(loss, loss_fn(step.model(state), batches[-1]), rtol=0.5)
 
 
 def test_bad_input_is_named(mesh8):

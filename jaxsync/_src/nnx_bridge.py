@@ -96,6 +96,21 @@ def is_module(x: Any) -> bool:
     return isinstance(x, nnx.Module)
 
 
+def is_graphdef(x: Any) -> bool:
+    return isinstance(x, nnx.GraphDef)
+
+
+def merge_split(graphdef: Any, states: tuple[Any, ...]) -> Any:
+    """The module from ``nnx.split``'s ``graphdef, *states``, or a clear error."""
+    if not isinstance(graphdef, nnx.GraphDef) or not states:
+        raise TypeError(
+            "TrainStep.init takes a pytree of params, an nnx.Module, or `graphdef, *states` "
+            f"as nnx.split returns them; got {type(graphdef).__name__} and {len(states)} "
+            "more argument(s)."
+        )
+    return nnx.merge(graphdef, *states)
+
+
 def split_model(model: Any) -> tuple[ModelDef, PyTree, PyTree]:
     """``(ModelDef, params as a pure dict, the rest of the state as a pure dict)``."""
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)

@@ -30,7 +30,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from .axes import AxisName, mesh_axes_size, normalize_axes
+from .axes import AxisName, mesh_axes_size, normalize_axes, varying_axes
 from .checks import check_bool, check_positive, check_rules
 from .data import shard_batch
 from .finalize import SyncRules
@@ -39,7 +39,7 @@ from .fsdp_gather import MixedPrecision
 from .grad_sync import accumulate_grads, all_reduce_grads, value_and_grad
 from .loss_scale import LossScale, check_loss_scale, init_loss_scale
 from .names import group_of, param_name
-from .nnx_bridge import ModelDef, is_module, split_model, trace_views
+from .nnx_bridge import ModelDef, is_graphdef, is_module, merge_split, split_model, trace_views
 from .optimizer import distributed_optimizer
 from .optimizer_state import initial_metrics
 from .placement import check_bucket_size, normalize_stacked
@@ -91,14 +91,17 @@ class TrainStep:
     _plans: dict[Any, _Plan] = dataclasses.field(default_factory=dict, repr=False)
 
     # ------------------------------------------------------------------ init
-    def init(self, params: Any) -> TrainState:
+    def init(self, params: Any, *nnx_states: Any) -> TrainState:
         """The initial global state from ``params`` (a pytree of arrays) or an ``nnx.Module``.
 
-        A module is split into its ``nnx.Param`` values (trained) and the rest of
-        its state (``state.model_state``, passed to the model unchanged); the loss
-        function then receives the merged module.
+        A module (or ``graphdef, *states`` from ``nnx.split``) is split into its
+        ``nnx.Param`` values (trained) and the rest of its state
+        (``state.model_state``, passed to the model unchanged); the loss function
+        then receives the merged module.
         """
         model, rest = None, {}
+        if nnx_states or is_graphdef(params):
+            params = merge_split(params, nnx_states)
         if is_module(params):
             model, params, rest = split_model(params)
         leaves = jax.tree_util.tree_flatten_with_path(params)[0]
@@ -305,8 +308,11 @@ class TrainStep:
         return new, self._mean_loss(loss, state)
 
     def _mean_loss(self, loss: jax.Array, state: TrainState) -> jax.Array:
+        """The loss averaged over the data axes, and over any other axis it varies
+        over (a sequence-parallel loss computed piecewise over ``"tensor"``)."""
         loss = loss / state.loss_scale.scale.astype(loss.dtype)
-        return jax.lax.pmean(loss, self.axis_name)
+        extra = tuple(a for a in sorted(varying_axes(loss)) if a not in self.axis_name)
+        return jax.lax.pmean(loss, self.axis_name + extra)
 
     # ------------------------------------------------------------ state API
     def state_specs(self, state: TrainState) -> TrainState:
