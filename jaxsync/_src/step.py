@@ -30,37 +30,24 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from .axes import AxisName, mesh_axes_size, normalize_axes, varying_axes
+from .axes import AxisName, mesh_axes_size, normalize_axes
 from .checks import check_bool, check_positive, check_rules
 from .data import shard_batch
 from .finalize import SyncRules
-from .fsdp import ShardedLayers, check_microbatches, fully_shard
+from .fsdp import fully_shard
 from .fsdp_gather import MixedPrecision
-from .grad_sync import accumulate_grads, all_reduce_grads, value_and_grad
 from .loss_scale import LossScale, check_loss_scale, init_loss_scale
 from .names import group_of, param_name
-from .nnx_bridge import ModelDef, is_graphdef, is_module, merge_split, split_model, trace_views
+from .nnx_bridge import is_graphdef, is_module, merge_split, split_model
 from .optimizer import distributed_optimizer
 from .optimizer_state import initial_metrics
 from .placement import check_bucket_size, normalize_stacked
 from .portable import signature
-from .scan_sync import DataParallel, LayerStack
-from .train_state import GuardState, TrainState, global_stats, guarded_update, padding_of
+from .step_body import Plan, per_device
+from .train_state import GuardState, TrainState
 
 PyTree = Any
 MODES = ("ddp", "zero", "fsdp")
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class _Plan:
-    """What one ``init`` fixed: the optimizer, FSDP units, specs and the jitted step."""
-
-    model: ModelDef | None
-    template: PyTree  # the params' ShapeDtypeStructs (global)
-    tx: Any
-    fs: Any
-    specs: TrainState
-    fn: Callable[..., Any]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -88,7 +75,7 @@ class TrainStep:
     policy: MixedPrecision | None
     reshard_after_forward: bool
     donate: bool
-    _plans: dict[Any, _Plan] = dataclasses.field(default_factory=dict, repr=False)
+    _plans: dict[Any, Plan] = dataclasses.field(default_factory=dict, repr=False)
 
     # ------------------------------------------------------------------ init
     def init(self, params: Any, *nnx_states: Any) -> TrainState:
@@ -159,7 +146,7 @@ class TrainStep:
             guard=jax.tree.map(lambda _: P(), guard),
         )  # fmt: skip
         state = _distinct(state)
-        plan = _Plan(model, template, tx, fs, specs, None)  # type: ignore[arg-type]
+        plan = Plan(model, template, tx, fs, specs, None)  # type: ignore[arg-type]
         object.__setattr__(plan, "fn", self._build(plan))
         self._plans[signature(state)] = plan
         return state
@@ -192,7 +179,7 @@ class TrainStep:
                 )
         return shard_batch(batch, self.mesh, axis_name=self.axis_name)
 
-    def _plan(self, state: Any, fn: str) -> _Plan:
+    def _plan(self, state: Any, fn: str) -> Plan:
         if not isinstance(state, TrainState):
             raise TypeError(
                 f"{fn}: `state` must be the TrainState from `init`, got {type(state).__name__}."
@@ -206,113 +193,16 @@ class TrainStep:
             )
         return plan
 
-    def _build(self, plan: _Plan) -> Callable[..., Any]:
+    def _build(self, plan: Plan) -> Callable[..., Any]:
         axes = self.axis_name
         data = axes if len(axes) > 1 else axes[0]
-        per_device = {"zero": self._zero, "ddp": self._ddp, "fsdp": self._fsdp}[self.mode]
         body = jax.shard_map(
-            lambda state, batch: per_device(plan, state, batch),
+            lambda state, batch: per_device(self, plan, state, batch),
             mesh=self.mesh,
             in_specs=(plan.specs, P(data)),
             out_specs=(plan.specs, P()),
         )
         return jax.jit(body, donate_argnums=(0,) if self.donate else ())
-
-    # ------------------------------------------------------ per-device steps
-    def _loss_of(self, plan: _Plan, state: TrainState) -> Callable[[Any, Any], jax.Array]:
-        """``(params view, batch) -> scaled local loss``, merging an NNX module if any."""
-        scale = state.loss_scale.scale
-
-        def loss(params: Any, batch: Any) -> jax.Array:
-            with trace_views():
-                if plan.model is None:
-                    out = self.loss_fn(params, batch)
-                else:
-                    plain, views = _split_views(params, self.stacked, plan.template)
-                    out = self.loss_fn(plan.model.merge(plain, state.model_state, views), batch)
-            if not hasattr(out, "shape") or out.shape != ():
-                raise ValueError(
-                    f"`loss_fn` must return a scalar loss (the mean over this device's rows), "
-                    f"got {type(out).__name__} of shape {getattr(out, 'shape', None)}. Reduce "
-                    "it with jnp.mean; return aux values through the model or params instead."
-                )
-            return out * scale.astype(out.dtype)
-
-        return loss
-
-    def _grads(self, plan: _Plan, state: TrainState, batch: Any, sync: Any) -> tuple[Any, Any]:
-        loss = self._loss_of(plan, state)
-        rules = None if sync is not None else self.rules
-        if self.microbatches == 1:
-            vg = value_and_grad(loss, axis_name=self.axis_name, rules=rules, sync=sync)
-            return vg(state.params, batch)
-        check_microbatches(self.microbatches, batch)
-        mbs = jax.tree.map(lambda x: x.reshape(self.microbatches, -1, *x.shape[1:]), batch)
-        return accumulate_grads(
-            loss, state.params, mbs, axis_name=self.axis_name, rules=rules, sync=sync
-        )
-
-    def _zero(self, plan: _Plan, state: TrainState, batch: Any) -> tuple[TrainState, Any]:
-        tx = plan.tx
-        loss, grads = self._grads(plan, state, batch, tx if self.stacked else None)
-        updates, opt_state = tx.update(grads, state.opt_state, state.params)
-        finite = jnp.logical_not(opt_state.metrics.skipped)
-        new = state._replace(
-            step=state.step + finite.astype(jnp.int32),
-            params=optax.apply_updates(state.params, updates),
-            opt_state=opt_state,
-        )
-        return new, self._mean_loss(loss, state)
-
-    def _ddp(self, plan: _Plan, state: TrainState, batch: Any) -> tuple[TrainState, Any]:
-        sync = None
-        if self.stacked:
-            sync = DataParallel(
-                self.axis_name, bucket_size=self.bucket_size, reduce_dtype=self.reduce_dtype,
-                rules=self.rules, stacked=self.stacked,
-            )  # fmt: skip
-        loss, local = self._grads(plan, state, batch, sync)
-        grads = local
-        if sync is None:
-            grads = all_reduce_grads(
-                local, axis_name=self.axis_name, bucket_size=self.bucket_size,
-                reduce_dtype=self.reduce_dtype, rules=self.rules,
-            )  # fmt: skip
-        grads = _unscale(grads, state.loss_scale.scale)
-        return self._finish(plan, state, grads, local, global_stats(grads), loss)
-
-    def _fsdp(self, plan: _Plan, state: TrainState, batch: Any) -> tuple[TrainState, Any]:
-        fs = plan.fs
-        loss_of = self._loss_of(plan, state)
-        loss, grads = fs.value_and_grad(
-            lambda shards, b: loss_of(fs.view(shards), b),
-            state.params,
-            batch,
-            microbatches=self.microbatches,
-        )
-        grads = _unscale(grads, state.loss_scale.scale)
-        stats = global_stats(grads, fs.axes, padding_of([fs.layout(u) for u in fs.units]))
-        return self._finish(plan, state, grads, grads, stats, loss)
-
-    def _finish(
-        self, plan: _Plan, state: TrainState, grads: Any, flags: Any, stats: Any, loss: Any
-    ) -> tuple[TrainState, Any]:
-        params, opt_state, scale, metrics, finite = guarded_update(
-            state, plan.tx, grads, flags, stats,
-            clip_grad_norm=self.clip_grad_norm, loss_scale=self.loss_scale,
-        )  # fmt: skip
-        new = TrainState(
-            state.step + finite.astype(jnp.int32), params, opt_state, state.model_state,
-            GuardState(scale, metrics),
-        )  # fmt: skip
-        return new, self._mean_loss(loss, state)
-
-    def _mean_loss(self, loss: jax.Array, state: TrainState) -> jax.Array:
-        """The loss averaged over the data axes, and over any other axis it varies
-        over (a sequence-parallel loss computed piecewise over ``"tensor"``)."""
-        loss = loss / state.loss_scale.scale.astype(loss.dtype)
-        extra = tuple(a for a in sorted(varying_axes(loss)) if a not in self.axis_name)
-        return jax.lax.pmean(loss, self.axis_name + extra)
 
     # ------------------------------------------------------------ state API
     def state_specs(self, state: TrainState) -> TrainState:
@@ -405,10 +295,6 @@ def _distinct(tree: PyTree) -> PyTree:
     return jax.tree.map(one, tree)
 
 
-def _unscale(grads: Any, scale: jax.Array) -> Any:
-    return jax.tree.map(lambda g: (g.astype(jnp.float32) / scale).astype(g.dtype), grads)
-
-
 def _default_units(params: PyTree, stacked: Sequence[str]) -> list[str]:
     """One FSDP unit per top-level entry of the params (stacked groups: their own)."""
     units: dict[str, None] = {}
@@ -417,30 +303,6 @@ def _default_units(params: PyTree, stacked: Sequence[str]) -> list[str]:
         if group_of(name, stacked) is None:
             units[name.split(".")[0]] = None
     return list(units)
-
-
-def _split_views(params: Any, stacked: Sequence[str], template: Any) -> tuple[Any, dict]:
-    """Replaces each stacked group's view in ``params`` (a nested dict) by plain values.
-
-    A :class:`LayerStack` gives its params (arrays); FSDP's sharded layers give
-    ``ShapeDtypeStruct`` placeholders, which fail loudly if read outside
-    :func:`jaxsync.scan_layers`. Returns the plain dict and ``{group: view}``.
-    """
-    views: dict[str, Any] = {}
-    if not stacked:
-        return params, views
-
-    def walk(node: Any, tmpl: Any, prefix: str) -> Any:
-        if isinstance(node, LayerStack | ShardedLayers):
-            views[prefix] = node
-            return node.params if isinstance(node, LayerStack) else tmpl
-        if isinstance(node, dict):
-            return {
-                k: walk(v, tmpl[k], f"{prefix}.{k}" if prefix else str(k)) for k, v in node.items()
-            }
-        return node
-
-    return walk(params, template, ""), views
 
 
 def train_step(

@@ -143,6 +143,4 @@ def guarded_update(
 
 def padding_of(layouts: Sequence[Any]) -> int:
     """Padding elements of FSDP unit buffers (over all devices)."""
-    return sum(
-        (b.size - b.used) * math.prod(b.lead) for layout in layouts for b in layout.buffers
-    )
+    return sum((b.size - b.used) * math.prod(b.lead) for layout in layouts for b in layout.buffers)

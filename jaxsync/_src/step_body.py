@@ -1,0 +1,176 @@
+"""The per-device body of :func:`jaxsync.train_step`, one function per mode.
+
+Each runs inside the step's ``jax.shard_map`` and composes the public pieces a
+hand-written step would: :func:`jaxsync.value_and_grad` or
+:func:`jaxsync.accumulate_grads` (with ``sync=`` for stacked groups), then the
+distributed optimizer (``"zero"``), :func:`jaxsync.all_reduce_grads` and a
+replicated optax update (``"ddp"``), or ``FullyShard.value_and_grad`` and an
+optax update of the shards (``"fsdp"``). ``cfg`` is the :class:`TrainStep`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from .axes import varying_axes
+from .fsdp import ShardedLayers, check_microbatches
+from .grad_sync import accumulate_grads, all_reduce_grads, value_and_grad
+from .nnx_bridge import ModelDef, trace_views
+from .scan_sync import DataParallel, LayerStack
+from .train_state import GuardState, TrainState, global_stats, guarded_update, padding_of
+
+PyTree = Any
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Plan:
+    """What one ``TrainStep.init`` fixed: optimizer, FSDP units, specs, jitted step."""
+
+    model: ModelDef | None
+    template: PyTree  # the params' ShapeDtypeStructs (global)
+    tx: Any
+    fs: Any
+    specs: TrainState
+    fn: Callable[..., Any]
+
+
+def per_device(cfg: Any, plan: Plan, state: TrainState, batch: Any) -> tuple[TrainState, Any]:
+    """One step on this device's rows: ``(new state, loss averaged over devices)``."""
+    body = {"zero": zero_body, "ddp": ddp_body, "fsdp": fsdp_body}[cfg.mode]
+    return body(cfg, plan, state, batch)
+
+
+def loss_of(cfg: Any, plan: Plan, state: TrainState) -> Callable[[Any, Any], jax.Array]:
+    """``(params view, batch) -> scaled local loss``, merging an NNX module if any."""
+    scale = state.loss_scale.scale
+
+    def loss(params: Any, batch: Any) -> jax.Array:
+        with trace_views():
+            if plan.model is None:
+                out = cfg.loss_fn(params, batch)
+            else:
+                plain, views = split_views(params, cfg.stacked, plan.template)
+                out = cfg.loss_fn(plan.model.merge(plain, state.model_state, views), batch)
+        if not hasattr(out, "shape") or out.shape != ():
+            raise ValueError(
+                f"`loss_fn` must return a scalar loss (the mean over this device's rows), "
+                f"got {type(out).__name__} of shape {getattr(out, 'shape', None)}. Reduce "
+                "it with jnp.mean; return aux values through the model or params instead."
+            )
+        return out * scale.astype(out.dtype)
+
+    return loss
+
+
+def grads_of(cfg: Any, plan: Plan, state: TrainState, batch: Any, sync: Any) -> tuple[Any, Any]:
+    loss = loss_of(cfg, plan, state)
+    rules = None if sync is not None else cfg.rules
+    if cfg.microbatches == 1:
+        vg = value_and_grad(loss, axis_name=cfg.axis_name, rules=rules, sync=sync)
+        return vg(state.params, batch)
+    check_microbatches(cfg.microbatches, batch)
+    mbs = jax.tree.map(lambda x: x.reshape(cfg.microbatches, -1, *x.shape[1:]), batch)
+    return accumulate_grads(
+        loss, state.params, mbs, axis_name=cfg.axis_name, rules=rules, sync=sync
+    )
+
+
+def zero_body(cfg: Any, plan: Plan, state: TrainState, batch: Any) -> tuple[TrainState, Any]:
+    tx = plan.tx
+    loss, grads = grads_of(cfg, plan, state, batch, tx if cfg.stacked else None)
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    finite = jnp.logical_not(opt_state.metrics.skipped)
+    new = state._replace(
+        step=state.step + finite.astype(jnp.int32),
+        params=optax.apply_updates(state.params, updates),
+        opt_state=opt_state,
+    )
+    return new, mean_loss(cfg, loss, state)
+
+
+def ddp_body(cfg: Any, plan: Plan, state: TrainState, batch: Any) -> tuple[TrainState, Any]:
+    sync = None
+    if cfg.stacked:
+        sync = DataParallel(
+            cfg.axis_name, bucket_size=cfg.bucket_size, reduce_dtype=cfg.reduce_dtype,
+            rules=cfg.rules, stacked=cfg.stacked,
+        )  # fmt: skip
+    loss, local = grads_of(cfg, plan, state, batch, sync)
+    grads = local
+    if sync is None:
+        grads = all_reduce_grads(
+            local, axis_name=cfg.axis_name, bucket_size=cfg.bucket_size,
+            reduce_dtype=cfg.reduce_dtype, rules=cfg.rules,
+        )  # fmt: skip
+    grads = unscale(grads, state.loss_scale.scale)
+    return finish(cfg, plan, state, grads, local, global_stats(grads), loss)
+
+
+def fsdp_body(cfg: Any, plan: Plan, state: TrainState, batch: Any) -> tuple[TrainState, Any]:
+    fs = plan.fs
+    loss = loss_of(cfg, plan, state)
+    loss, grads = fs.value_and_grad(
+        lambda shards, b: loss(fs.view(shards), b),
+        state.params,
+        batch,
+        microbatches=cfg.microbatches,
+    )
+    grads = unscale(grads, state.loss_scale.scale)
+    stats = global_stats(grads, fs.axes, padding_of([fs.layout(u) for u in fs.units]))
+    return finish(cfg, plan, state, grads, grads, stats, loss)
+
+
+def finish(
+    cfg: Any, plan: Plan, state: TrainState, grads: Any, flags: Any, stats: Any, loss: Any
+) -> tuple[TrainState, Any]:
+    params, opt_state, scale, metrics, finite = guarded_update(
+        state, plan.tx, grads, flags, stats,
+        clip_grad_norm=cfg.clip_grad_norm, loss_scale=cfg.loss_scale,
+    )  # fmt: skip
+    new = TrainState(
+        state.step + finite.astype(jnp.int32), params, opt_state, state.model_state,
+        GuardState(scale, metrics),
+    )  # fmt: skip
+    return new, mean_loss(cfg, loss, state)
+
+
+def mean_loss(cfg: Any, loss: jax.Array, state: TrainState) -> jax.Array:
+    """The loss averaged over the data axes, and over any other axis it varies
+    over (a sequence-parallel loss computed piecewise over ``"tensor"``)."""
+    loss = loss / state.loss_scale.scale.astype(loss.dtype)
+    extra = tuple(a for a in sorted(varying_axes(loss)) if a not in cfg.axis_name)
+    return jax.lax.pmean(loss, cfg.axis_name + extra)
+
+
+def unscale(grads: Any, scale: jax.Array) -> Any:
+    return jax.tree.map(lambda g: (g.astype(jnp.float32) / scale).astype(g.dtype), grads)
+
+
+def split_views(params: Any, stacked: Sequence[str], template: Any) -> tuple[Any, dict]:
+    """Replaces each stacked group's view in ``params`` (a nested dict) by plain values.
+
+    A :class:`LayerStack` gives its params (arrays); FSDP's sharded layers give
+    ``ShapeDtypeStruct`` placeholders, which fail loudly if read outside
+    :func:`jaxsync.scan_layers`. Returns the plain dict and ``{group: view}``.
+    """
+    views: dict[str, Any] = {}
+    if not stacked:
+        return params, views
+
+    def walk(node: Any, tmpl: Any, prefix: str) -> Any:
+        if isinstance(node, LayerStack | ShardedLayers):
+            views[prefix] = node
+            return node.params if isinstance(node, LayerStack) else tmpl
+        if isinstance(node, dict):
+            return {
+                k: walk(v, tmpl[k], f"{prefix}.{k}" if prefix else str(k)) for k, v in node.items()
+            }
+        return node
+
+    return walk(params, template, ""), views
