@@ -256,7 +256,11 @@ def test_fully_shard_takes_the_mesh_once(mesh8):
     fs = jaxsync.fully_shard(params, axis_name="data", units=["l1", "l2"], mesh=mesh8)
     shards = fs.shard(params)
     opt_state, specs = fs.init_optimizer(optax.adam(1e-3), shards)
-    assert specs[0].mu == fs.specs()
+    assert specs[0].mu == fs.specs() and fs.state_specs(optax.adam(1e-3)) == specs
+    again = fs.sharded_init(optax.adam(1e-3), shards)  # the distributed optimizer's names
+    assert jax.tree.map(lambda x: x.sharding, again) == jax.tree.map(
+        lambda x: x.sharding, opt_state
+    )
     assert all(s.sharding == NamedSharding(mesh8, P("data")) for s in shards.values())
     assert_close(fs.unshard(shards), params, rtol=0, atol=0)
     assert_close(fs.unshard(shards, mesh8), params, rtol=0, atol=0)  # the old signature

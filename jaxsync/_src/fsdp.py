@@ -226,6 +226,13 @@ class FullyShard:
                 + (f"; it lacks units {missing}." if missing else f", got {type(shards).__name__}.")
             )
         mesh = self._mesh(mesh, "FullyShard.init_optimizer")
+        state_specs = self.state_specs(tx)
+        init = jax.shard_map(tx.init, mesh=mesh, in_specs=(self.specs(),), out_specs=state_specs)
+        return jax.jit(init)(shards), state_specs
+
+    def state_specs(self, tx: optax.GradientTransformation) -> Any:
+        """PartitionSpecs of ``tx``'s state over the shards: moments sharded like the
+        shards, scalars ``P()`` (the same name as the distributed optimizer's)."""
         specs = self.specs()
         local = {
             u: jax.ShapeDtypeStruct(
@@ -235,9 +242,14 @@ class FullyShard:
         }
         abstract = jax.eval_shape(tx.init, local)
         spec_of = {local[u].shape: specs[u] for u in self.units}
-        state_specs = jax.tree.map(lambda x: spec_of.get(x.shape, P()), abstract)
-        init = jax.shard_map(tx.init, mesh=mesh, in_specs=(specs,), out_specs=state_specs)
-        return jax.jit(init)(shards), state_specs
+        return jax.tree.map(lambda x: spec_of.get(x.shape, P()), abstract)
+
+    def sharded_init(
+        self, tx: optax.GradientTransformation, shards: dict[str, jax.Array], **kwargs: Any
+    ) -> Any:
+        """The global optimizer state over ``shards`` (as the distributed optimizer's
+        ``sharded_init``; :meth:`init_optimizer` without the specs)."""
+        return self.init_optimizer(tx, shards, **kwargs)[0]
 
     def unshard(self, shards: dict[str, jax.Array], mesh: Mesh | None = None) -> PyTree:
         """Full params from global shards (outside shard_map), in fp32.
