@@ -164,10 +164,11 @@ class TrainStep:
 
     def place(self, batch: PyTree) -> PyTree:
         """``batch`` sharded over the data axes (rows per device must split into
-        ``microbatches``); what ``__call__`` does to its batch."""
+        ``microbatches``); what ``__call__`` does to its batch. With several
+        processes each passes its own rows, as for :func:`jaxsync.shard_batch`."""
         n = mesh_axes_size(self.mesh, self.axis_name, "TrainStep")
         for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]:
-            rows = np.shape(x)[0] if np.ndim(x) else None
+            rows = np.shape(x)[0] * jax.process_count() if np.ndim(x) else None
             if rows is not None and self.microbatches > 1 and rows % (n * self.microbatches) == 0:
                 continue
             if rows is not None and self.microbatches > 1 and rows % n == 0:
@@ -397,6 +398,12 @@ def train_step(
     check_bool(reshard_after_forward, "reshard_after_forward")
     if units is not None and mode != "fsdp":
         raise ValueError(f"`units` are FSDP's; mode={mode!r} has none. Drop `units`.")
+    fp32 = reduce_dtype is not None and jnp.dtype(reduce_dtype) == jnp.float32
+    if mode == "fsdp" and (bucket_size is not None or not fp32):
+        raise ValueError(
+            "`bucket_size` and `reduce_dtype` are for mode='ddp' or 'zero': FSDP communicates "
+            "unit by unit, in `policy`'s dtypes (jaxsync.MixedPrecision(reduce_dtype=...))."
+        )
     if policy is not None and mode != "fsdp":
         raise ValueError(f"`policy` is FSDP's mixed precision; mode={mode!r}. Drop `policy`.")
     return TrainStep(
