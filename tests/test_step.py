@@ -69,6 +69,19 @@ class Scanned(nnx.Module):
         return self.out(h)
 
 
+class Stateful(nnx.Module):
+    """BatchNorm statistics and a dropout RNG counter: model state besides params."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.l1 = nnx.Linear(6, 9, rngs=rngs)
+        self.bn = nnx.BatchNorm(9, rngs=rngs)
+        self.drop = nnx.Dropout(0.5, rngs=rngs)
+        self.l2 = nnx.Linear(9, 3, rngs=rngs)
+
+    def __call__(self, x):
+        return self.l2(self.drop(jnp.tanh(self.bn(self.l1(x)))))
+
+
 def loss_fn(model, batch):
     x, y = batch
     return jnp.mean((model(x) - y) ** 2)
@@ -174,6 +187,20 @@ def test_scanned_stack_syncs_in_the_loop(mesh8, mode, microbatches):
     kind = "all-reduce" if mode == "ddp" else "reduce-scatter"
     in_loop = report.in_loop(kind=kind, role="backward")
     assert in_loop and all(c.trip_count == 3 for c in in_loop), report
+
+
+def test_model_state_is_kept_across_steps(mesh8):
+    """BatchNorm's running mean is averaged over devices (= the global batch's, as on
+    one device) and the dropout RNG counter advances, once per step."""
+    batch = make_batches(steps=1)[0]
+    step = jaxsync.train_step(loss_fn, optax.sgd(0.1), mesh8, mode="fsdp")
+    state = step.init(Stateful(nnx.Rngs(0)))
+    state, _ = step(state, batch)
+    ref = Stateful(nnx.Rngs(0))
+    ref(batch[0])  # one forward pass in training mode updates the statistics
+    assert_close(step.model(state).bn.mean[...], ref.bn.mean[...])
+    state, _ = step(state, batch)
+    assert int(step.model(state).drop.rngs.count[...]) == 2
 
 
 def test_plain_pytree_microbatches_and_loss_scale_skip(mesh8):

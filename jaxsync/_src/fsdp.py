@@ -390,8 +390,12 @@ class FullyShard:
         *,
         microbatches: int = 1,
         sync_grad_accum: bool = True,
-    ) -> tuple[jax.Array, dict[str, jax.Array]]:
+        has_aux: bool = False,
+    ) -> tuple[Any, dict[str, jax.Array]]:
         """Mean local loss and reduced shard gradients of ``loss_fn(shards, batch)``.
+
+        With ``has_aux`` ``loss_fn`` returns ``(loss, aux)`` and the value is
+        ``(loss, aux)``, aux of the last microbatch.
 
         With ``microbatches > 1`` the batch's leading axis is split and gradients
         accumulated in fp32. ``sync_grad_accum=True`` reduce-scatters after every
@@ -401,14 +405,14 @@ class FullyShard:
         """
         check_microbatches(microbatches, batch)
         if microbatches == 1:
-            return jax.value_and_grad(loss_fn)(shards, batch)
+            return jax.value_and_grad(loss_fn, has_aux=has_aux)(shards, batch)
         mbs = jax.tree.map(lambda x: x.reshape(microbatches, -1, *x.shape[1:]), batch)
         if sync_grad_accum:
-            target, grad_fn = shards, jax.value_and_grad(loss_fn)
+            target, grad_fn = shards, jax.value_and_grad(loss_fn, has_aux=has_aux)
         else:
             # Local gradients of the gathered params (varying: no implicit psum).
             target = to_varying(self.gather_all(shards), self.axes + self.replicate_axes)
-            grad_fn = jax.value_and_grad(loss_fn)
+            grad_fn = jax.value_and_grad(loss_fn, has_aux=has_aux)
 
         def body(acc: Any, mb: Any) -> tuple[Any, Any]:
             loss, g = grad_fn(target, mb)
@@ -418,9 +422,13 @@ class FullyShard:
         acc = jax.tree.map(lambda x: x.astype(jnp.float32), g0)
         acc, losses = jax.lax.scan(body, acc, jax.tree.map(lambda m: m[1:], mbs))
         grads = jax.tree.map(lambda a: a / microbatches, acc)
+        if has_aux:
+            (loss0, _), (losses, aux) = loss0, losses
         loss = (loss0 + jnp.sum(losses)) / microbatches
         if not sync_grad_accum:
             grads = self.reduce_gathered(grads)
+        if has_aux:
+            return (loss, jax.tree.map(lambda a: a[-1], aux)), grads
         return loss, grads
 
 

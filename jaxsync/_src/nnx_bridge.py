@@ -162,16 +162,22 @@ def scan_layers(
     ptemplate = _abstract(params)
     rtemplate = _abstract(rest)
 
-    def body(c: Any, x: tuple[Any, Any]) -> tuple[Any, None]:
+    def body(c: Any, x: tuple[Any, Any]) -> tuple[Any, Any]:
         layer_params, layer_rest = x
         layer_params = tap(layer_params)  # identity unless jaxsync syncs in the loop
         pst = jax.tree.map(lambda v: v, ptemplate)
         nnx.replace_by_pure_dict(pst, layer_params)
         rst = jax.tree.map(lambda v: v, rtemplate)
         nnx.replace_by_pure_dict(rst, layer_rest)
-        return fn(nnx.merge(graphdef, pst, rst), c), None
+        layer = nnx.merge(graphdef, pst, rst)
+        c = fn(layer, c)
+        # The layer's own state after the call (RNG counters...), written back below.
+        return c, nnx.to_pure_dict(nnx.split(layer, nnx.Param, ...)[2])
 
     if remat:
         body = jax.checkpoint(body)
-    carry, _ = jax.lax.scan(body, carry, (xs, rest_xs))
+    carry, new_rest = jax.lax.scan(body, carry, (xs, rest_xs))
+    if jax.tree.leaves(new_rest):
+        nnx.replace_by_pure_dict(rest, new_rest)
+        nnx.update(layers, rest)
     return carry

@@ -83,7 +83,7 @@ class TrainStep:
 
         A module (or ``graphdef, *states`` from ``nnx.split``) is split into its
         ``nnx.Param`` values (trained) and the rest of its state
-        (``state.model_state``, passed to the model unchanged); the loss function
+        (``state.model_state``, kept as the model updates it); the loss function
         then receives the merged module.
         """
         model, rest = None, {}

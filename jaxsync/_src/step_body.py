@@ -46,24 +46,27 @@ def per_device(cfg: Any, plan: Plan, state: TrainState, batch: Any) -> tuple[Tra
     return body(cfg, plan, state, batch)
 
 
-def loss_of(cfg: Any, plan: Plan, state: TrainState) -> Callable[[Any, Any], jax.Array]:
-    """``(params view, batch) -> scaled local loss``, merging an NNX module if any."""
+def loss_of(cfg: Any, plan: Plan, state: TrainState) -> Callable[[Any, Any], Any]:
+    """``(params view, batch) -> (scaled local loss, model state after the call)``,
+    merging an NNX module if any (the model state of a pytree loss is ``{}``)."""
     scale = state.loss_scale.scale
 
-    def loss(params: Any, batch: Any) -> jax.Array:
+    def loss(params: Any, batch: Any) -> tuple[jax.Array, Any]:
         with trace_views():
             if plan.model is None:
-                out = cfg.loss_fn(params, batch)
+                out, rest = cfg.loss_fn(params, batch), state.model_state
             else:
                 plain, views = split_views(params, cfg.stacked, plan.template)
-                out = cfg.loss_fn(plan.model.merge(plain, state.model_state, views), batch)
+                model = plan.model.merge(plain, state.model_state, views)
+                out = cfg.loss_fn(model, batch)
+                rest = model_state_of(model)
         if not hasattr(out, "shape") or out.shape != ():
             raise ValueError(
                 f"`loss_fn` must return a scalar loss (the mean over this device's rows), "
                 f"got {type(out).__name__} of shape {getattr(out, 'shape', None)}. Reduce "
                 "it with jnp.mean; return aux values through the model or params instead."
             )
-        return out * scale.astype(out.dtype)
+        return out * scale.astype(out.dtype), rest
 
     return loss
 
@@ -72,24 +75,25 @@ def grads_of(cfg: Any, plan: Plan, state: TrainState, batch: Any, sync: Any) -> 
     loss = loss_of(cfg, plan, state)
     rules = None if sync is not None else cfg.rules
     if cfg.microbatches == 1:
-        vg = value_and_grad(loss, axis_name=cfg.axis_name, rules=rules, sync=sync)
+        vg = value_and_grad(loss, axis_name=cfg.axis_name, rules=rules, sync=sync, has_aux=True)
         return vg(state.params, batch)
     check_microbatches(cfg.microbatches, batch)
     mbs = jax.tree.map(lambda x: x.reshape(cfg.microbatches, -1, *x.shape[1:]), batch)
     return accumulate_grads(
-        loss, state.params, mbs, axis_name=cfg.axis_name, rules=rules, sync=sync
+        loss, state.params, mbs, axis_name=cfg.axis_name, rules=rules, sync=sync, has_aux=True
     )
 
 
 def zero_body(cfg: Any, plan: Plan, state: TrainState, batch: Any) -> tuple[TrainState, Any]:
     tx = plan.tx
-    loss, grads = grads_of(cfg, plan, state, batch, tx if cfg.stacked else None)
+    (loss, rest), grads = grads_of(cfg, plan, state, batch, tx if cfg.stacked else None)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     finite = jnp.logical_not(opt_state.metrics.skipped)
     new = state._replace(
         step=state.step + finite.astype(jnp.int32),
         params=optax.apply_updates(state.params, updates),
         opt_state=opt_state,
+        model_state=settle(rest, state.model_state, finite),
     )
     return new, mean_loss(cfg, loss, state)
 
@@ -101,7 +105,7 @@ def ddp_body(cfg: Any, plan: Plan, state: TrainState, batch: Any) -> tuple[Train
             cfg.axis_name, bucket_size=cfg.bucket_size, reduce_dtype=cfg.reduce_dtype,
             rules=cfg.rules, stacked=cfg.stacked,
         )  # fmt: skip
-    loss, local = grads_of(cfg, plan, state, batch, sync)
+    (loss, rest), local = grads_of(cfg, plan, state, batch, sync)
     grads = local
     if sync is None:
         grads = all_reduce_grads(
@@ -109,35 +113,77 @@ def ddp_body(cfg: Any, plan: Plan, state: TrainState, batch: Any) -> tuple[Train
             reduce_dtype=cfg.reduce_dtype, rules=cfg.rules,
         )  # fmt: skip
     grads = unscale(grads, state.loss_scale.scale)
-    return finish(cfg, plan, state, grads, local, global_stats(grads), loss)
+    return finish(cfg, plan, state, grads, local, global_stats(grads), loss, rest)
 
 
 def fsdp_body(cfg: Any, plan: Plan, state: TrainState, batch: Any) -> tuple[TrainState, Any]:
     fs = plan.fs
     loss = loss_of(cfg, plan, state)
-    loss, grads = fs.value_and_grad(
+    (loss, rest), grads = fs.value_and_grad(
         lambda shards, b: loss(fs.view(shards), b),
         state.params,
         batch,
         microbatches=cfg.microbatches,
+        has_aux=True,
     )
     grads = unscale(grads, state.loss_scale.scale)
     stats = global_stats(grads, fs.axes, padding_of([fs.layout(u) for u in fs.units]))
-    return finish(cfg, plan, state, grads, grads, stats, loss)
+    return finish(cfg, plan, state, grads, grads, stats, loss, rest)
 
 
 def finish(
-    cfg: Any, plan: Plan, state: TrainState, grads: Any, flags: Any, stats: Any, loss: Any
+    cfg: Any,
+    plan: Plan,
+    state: TrainState,
+    grads: Any,
+    flags: Any,
+    stats: Any,
+    loss: Any,
+    rest: Any,
 ) -> tuple[TrainState, Any]:
     params, opt_state, scale, metrics, finite = guarded_update(
         state, plan.tx, grads, flags, stats,
         clip_grad_norm=cfg.clip_grad_norm, loss_scale=cfg.loss_scale,
     )  # fmt: skip
     new = TrainState(
-        state.step + finite.astype(jnp.int32), params, opt_state, state.model_state,
-        GuardState(scale, metrics),
+        state.step + finite.astype(jnp.int32), params, opt_state,
+        settle(rest, state.model_state, finite), GuardState(scale, metrics),
     )  # fmt: skip
     return new, mean_loss(cfg, loss, state)
+
+
+def model_state_of(model: Any) -> Any:
+    """An NNX module's state besides its ``nnx.Param``s, as a pure dict."""
+    from flax import nnx
+
+    return nnx.to_pure_dict(nnx.split(model, nnx.Param, ...)[2])
+
+
+def settle(new: Any, old: Any, finite: jax.Array) -> Any:
+    """The model state after a step, the same on every device.
+
+    Floats that differ between devices (statistics of each device's rows) are
+    averaged, integers (counters) take their maximum; on a skipped step float
+    state stays as it was, so NaNs never reach it.
+    """
+
+    def one(x: Any, before: Any) -> Any:
+        axes = tuple(sorted(varying_axes(x)))
+        floating = jnp.issubdtype(x.dtype, jnp.floating)
+        if axes and floating:
+            x = jax.lax.pmean(x, axes)
+        elif axes and jnp.issubdtype(x.dtype, jnp.integer):
+            x = jax.lax.pmax(x, axes)
+        elif axes:
+            raise ValueError(
+                f"the model's state leaf of dtype {x.dtype} differs between devices after "
+                f"the step (it varies over {axes}); only float (averaged) and integer "
+                "(maximum) model state can be kept replicated. Keep it in the params, or "
+                "use the explicit shard_map path."
+            )
+        return jnp.where(finite, x, before) if floating else x
+
+    return jax.tree.map(one, new, old)
 
 
 def mean_loss(cfg: Any, loss: jax.Array, state: TrainState) -> jax.Array:

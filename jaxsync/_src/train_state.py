@@ -52,7 +52,8 @@ class TrainState(NamedTuple):
         :class:`jaxsync.DistributedOptimizerState` (``"zero"``, which holds the
         loss scale and metrics itself), or optax state over the shards (``"fsdp"``).
       model_state: a flax NNX model's state besides its ``nnx.Param``s (a pure
-        dict, replicated, passed to the model unchanged); ``{}`` otherwise.
+        dict, replicated: batch statistics, RNG counters), as the model left it
+        after the last step (floats averaged over devices); ``{}`` otherwise.
       guard: ``"ddp"``/``"fsdp"``: the loss scale and metrics; ``None`` for
         ``"zero"`` (they are in ``opt_state``).
     """
