@@ -11,6 +11,8 @@ from jaxsync._src.collectives import bucket_all_gather as bucket_all_gather
 from jaxsync._src.collectives import bucket_all_reduce as bucket_all_reduce
 from jaxsync._src.collectives import bucket_reduce_scatter as bucket_reduce_scatter
 from jaxsync._src.data import shard_batch as shard_batch
+from jaxsync._src.deterministic import Deterministic as Deterministic
+from jaxsync._src.deterministic import UnitGrads as UnitGrads
 from jaxsync._src.distributed import ProcessInfo as ProcessInfo
 from jaxsync._src.distributed import initialize as initialize
 from jaxsync._src.finalize import ExpertParallel as ExpertParallel
@@ -66,6 +68,7 @@ __all__ = [
     "CorruptCheckpointError",
     "CollectiveStats",
     "DataParallel",
+    "Deterministic",
     "DistributedOptimizer",
     "DistributedOptimizerState",
     "DynamicLossScale",
@@ -81,6 +84,7 @@ __all__ = [
     "StepMetrics",
     "SyncRules",
     "Tied",
+    "UnitGrads",
     "Buffer",
     "BufferKey",
     "Layout",

@@ -439,8 +439,12 @@ def check_update(
     local = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), params)
     expected = jax.eval_shape(lambda p: plan.init_for_rank(p, layout, lambda _: 0), local)
     check_state(state, layout, expected, fn)
-    if isinstance(grads, ShardedGrads):
-        return  # reduced inside the step by value_and_grad(sync=tx): shapes checked there
+    from .deterministic import UnitGrads  # a cycle at import time
+
+    if isinstance(grads, ShardedGrads | UnitGrads):
+        # ShardedGrads: reduced inside the step by value_and_grad(sync=tx), shapes
+        # checked there; UnitGrads: checked by the deterministic update.
+        return
     layout.check_tree(grads, "grads")
     check_local_grads(
         grads,
