@@ -285,7 +285,9 @@ def exact_reduce_scatter(
 
 
 def nonfinite_flags(grads: UnitGrads) -> jax.Array:
-    """Per param: whether any of this device's unit gradients holds NaN/Inf."""
+    """``[units per device, params]``: where a unit's gradient of a param holds NaN/Inf."""
+    leaves = jax.tree.leaves(grads.grads)
     return jnp.stack(
-        [jnp.logical_not(jnp.all(jnp.isfinite(g))) for g in jax.tree.leaves(grads.grads)]
+        [jnp.logical_not(jnp.all(jnp.isfinite(g), axis=tuple(range(1, g.ndim)))) for g in leaves],
+        axis=1,
     )

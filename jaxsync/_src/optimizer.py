@@ -343,6 +343,7 @@ def apply_shards(
     grad_norm: jax.Array,
     num_zeros: jax.Array,
     finite: jax.Array,
+    unit_flags: jax.Array | None = None,
 ) -> tuple[PyTree, DistributedOptimizerState]:
     """The step after the reduction: clip, inner update on the shard, master, gather."""
     if cfg.clip_grad_norm is not None:
@@ -381,7 +382,7 @@ def apply_shards(
         master=tuple(new_master),
         inner_state=tuple(new_inner),
         loss_scale=update_loss_scale(cfg.loss_scale, state.loss_scale, finite),
-        metrics=next_metrics(state.metrics, grads, finite, grad_norm, num_zeros),
+        metrics=next_metrics(state.metrics, grads, finite, grad_norm, num_zeros, unit_flags),
     )
     return updates, new_state
 
@@ -415,5 +416,15 @@ def _deterministic_update(
     padding = sum(buf.size - buf.used for buf in layout.buffers)
     num_zeros = jax.lax.psum(zeros, cfg.axes) - padding
     finite = jnp.isfinite(grad_norm)
-    flags = ShardedGrads((), nonfinite_flags(grads))
-    return apply_shards(cfg, layout, shards, state, params, flags, grad_norm, num_zeros, finite)
+    return apply_shards(
+        cfg,
+        layout,
+        shards,
+        state,
+        params,
+        None,
+        grad_norm,
+        num_zeros,
+        finite,
+        nonfinite_flags(grads),
+    )

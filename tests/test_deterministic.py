@@ -1,0 +1,353 @@
+"""Deterministic mode: the same bits at every data-parallel size (issue #10).
+
+Compiles are the cost here, so every training run is cached per (kind, DP size)
+and shared between tests: the sweep over N, the resume and the multi-process
+comparison all read the same runs.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import subprocess
+import sys
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from helpers import make_batches, mlp_loss, mlp_params, run_reference
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxsync
+
+DET = jaxsync.Deterministic(units=8)
+STEPS = 10
+BATCH = 32
+MICRO = 2
+CLIP = 0.3  # below the grad norm of every step: clipping is always active
+NAN_STEP = 3  # a NaN in one example: every DP size must skip this step
+SIZES = (1, 2, 4, 8)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def mesh_of(n, devices=None):
+    devices = jax.devices()[:n] if devices is None else devices
+    return jax.make_mesh((n,), ("data",), devices=devices)
+
+
+def model():
+    """fp32 params, plus one bf16 layer (fp32 master in the distributed optimizer)."""
+    params = mlp_params(jax.random.PRNGKey(0))
+    params["layer1"] = jax.tree.map(lambda p: p.astype(jnp.bfloat16), params["layer1"])
+    return params
+
+
+def data(kind):
+    """``(xs, ys)``: ``[steps, batch, ...]`` (ddp) or ``[steps, micro, batch, ...]`` (zero)."""
+    if kind == "ddp":
+        return make_batches(jax.random.PRNGKey(1), STEPS, BATCH)
+    xs, ys = make_batches(jax.random.PRNGKey(1), STEPS * MICRO, BATCH)
+    xs = np.array(xs).reshape(STEPS, MICRO, BATCH, -1)
+    xs[NAN_STEP, 1, 5, 0] = np.nan
+    return xs, np.asarray(ys).reshape(STEPS, MICRO, BATCH, -1)
+
+
+def make_tx(kind, det=DET):
+    if kind == "zero":
+        return jaxsync.distributed_optimizer(
+            optax.adamw(5e-3, weight_decay=0.1),
+            axis_name="data",
+            clip_grad_norm=CLIP,
+            deterministic=det,
+        )
+    return optax.chain(optax.clip_by_global_norm(CLIP), optax.adamw(5e-3, weight_decay=0.1))
+
+
+@functools.cache
+def make_step(kind, mesh):
+    """One jitted step: ``(params, state, batch) -> (params, state, loss, norm, flag)``."""
+    params, tx = model(), make_tx(kind)
+    if kind == "zero":
+        specs = tx.state_specs(params, mesh)
+        batch_spec = P(None, "data")
+    else:
+        specs = jax.tree.map(lambda _: P(), jax.eval_shape(tx.init, params))
+        batch_spec = P("data")
+
+    @jax.jit
+    @partial(
+        jax.shard_map,
+        mesh=mesh,
+        in_specs=(P(), specs, batch_spec),
+        out_specs=(P(), specs, P(), P(), P()),
+    )
+    def step(params, state, batch):
+        if kind == "zero":
+            loss, grads = jaxsync.accumulate_grads(
+                mlp_loss, params, batch, axis_name="data", deterministic=DET
+            )
+            updates, state = tx.update(grads, state, params)
+            return (
+                optax.apply_updates(params, updates),
+                state,
+                loss,
+                state.metrics.grad_norm,
+                state.metrics.skipped,
+            )
+        loss, units = jaxsync.value_and_grad(mlp_loss, axis_name="data", deterministic=DET)(
+            params, batch
+        )
+        grads = jaxsync.all_reduce_grads(units, axis_name="data", deterministic=DET)
+        # sync_grads must give the same bits as all_reduce_grads
+        synced, _ = jaxsync.sync_grads(axis_name="data", deterministic=DET).update(units, None)
+        same = jnp.all(
+            jnp.stack(
+                [
+                    jnp.all(a == b)
+                    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(synced), strict=True)
+                ]
+            )
+        )
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state, loss, optax.global_norm(grads), same
+
+    return step
+
+
+def init_state(kind, mesh):
+    params, tx = model(), make_tx(kind)
+    if kind == "zero":
+        return tx.sharded_init(params, mesh)
+    return jax.device_put(tx.init(params), NamedSharding(mesh, P()))
+
+
+def train(kind, mesh, params, state, lo, hi):
+    step = make_step(kind, mesh)
+    xs, ys = data(kind)
+    params = jax.device_put(params, NamedSharding(mesh, P()))
+    logs = []
+    for i in range(lo, hi):
+        batch_axis = 1 if kind == "zero" else 0
+        batch = jaxsync.shard_batch((xs[i], ys[i]), mesh, batch_axis=batch_axis)
+        params, state, *log = step(params, state, batch)
+        logs.append(log)
+    cols = zip(*logs, strict=True)
+    return params, state, [np.stack([np.asarray(x) for x in col]) for col in cols]
+
+
+def portable(kind, state, params, mesh):
+    """Every optimizer value as host arrays, independent of the DP size."""
+    if kind == "zero":
+        state = make_tx(kind).to_portable(state, params, mesh)
+    return jax.tree.map(np.asarray, state)
+
+
+@functools.cache
+def run(kind, n):
+    mesh = mesh_of(n)
+    params, state, logs = train(kind, mesh, model(), init_state(kind, mesh), 0, STEPS)
+    return jax.tree.map(np.asarray, params), portable(kind, state, params, mesh), logs
+
+
+def assert_bitwise(a, b):
+    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+    assert jax.tree.structure(a) == jax.tree.structure(b) and len(la) == len(lb)
+    for x, y in zip(la, lb, strict=True):
+        assert x.dtype == y.dtype
+        assert np.array_equal(x, y, equal_nan=True), np.max(np.abs(x - y))
+
+
+@pytest.mark.parametrize("kind", ["zero", "ddp"])
+def test_bitwise_identical_at_every_dp_size(kind):
+    ref = run(kind, 1)
+    params, state, (losses, norms, flag) = ref
+    assert all(np.isfinite(losses)) == (kind == "ddp")
+    finite = np.isfinite(norms)
+    assert np.all(norms[finite] > CLIP)  # clipping active on every applied step
+    if kind == "zero":
+        assert list(np.flatnonzero(flag)) == [NAN_STEP]  # the NaN step, and only it, skipped
+        assert {m.dtype for m in jax.tree.leaves(state["master"])} == {np.dtype("float32")}
+    else:
+        assert flag.all()  # sync_grads == all_reduce_grads, bitwise
+    assert params["layer1"]["w"].dtype == jnp.bfloat16
+    moved = np.max(np.abs(params["layer0"]["w"] - np.asarray(model()["layer0"]["w"])))
+    assert moved > 1e-2
+    for n in SIZES[1:]:
+        assert_bitwise(run(kind, n), ref)
+
+
+def fp32_step(mesh, det):
+    params = mlp_params(jax.random.PRNGKey(0))
+    tx = make_tx("zero", det)
+    specs = tx.state_specs(params, mesh)
+
+    @jax.jit
+    @partial(jax.shard_map, mesh=mesh, in_specs=(P(), specs, P("data")), out_specs=(P(), specs))
+    def step(params, state, batch):
+        vg = jaxsync.value_and_grad(mlp_loss, axis_name="data", deterministic=det)
+        _, grads = vg(params, batch)
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    state = tx.sharded_init(params, mesh)
+    xs, ys = make_batches(jax.random.PRNGKey(1), STEPS, BATCH)
+    for i in range(STEPS):
+        params, state = step(params, state, jaxsync.shard_batch((xs[i], ys[i]), mesh))
+    return jax.tree.map(np.asarray, params)
+
+
+def test_mode_matters_and_is_correct():
+    """Default mode differs across N; deterministic mode matches single-device optax."""
+    default8, default2 = fp32_step(mesh_of(8), None), fp32_step(mesh_of(2), None)
+    assert not all(
+        np.array_equal(a, b)
+        for a, b in zip(jax.tree.leaves(default8), jax.tree.leaves(default2), strict=True)
+    )
+    det8 = fp32_step(mesh_of(8), DET)
+    opt = optax.chain(optax.clip_by_global_norm(CLIP), optax.adamw(5e-3, weight_decay=0.1))
+    batches = make_batches(jax.random.PRNGKey(1), STEPS, BATCH)
+    ref, _ = run_reference(opt, mlp_params(jax.random.PRNGKey(0)), batches)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=3e-5, atol=3e-6), ref, det8)
+    # as close to the reference as the default mode is
+    err = lambda got: max(  # noqa: E731
+        float(np.max(np.abs(a - b)))
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref), strict=True)
+    )
+    assert err(det8) <= 4 * err(default8) + 1e-7
+
+
+def test_resume_at_another_dp_size(tmp_path):
+    """Saved at N=8 after 5 steps, resumed at N=2: the same bits as never stopping."""
+    kind, half = "zero", STEPS // 2
+    m8, m2 = mesh_of(8), mesh_of(2)
+    tx = make_tx(kind)
+    params, state, logs_a = train(kind, m8, model(), init_state(kind, m8), 0, half)
+    with jaxsync.Checkpointer(tmp_path / "ckpt", async_save=False) as ckpt:
+        ckpt.save(half, params=params, opt_state=state, tx=tx, mesh=m8)
+    with jaxsync.Checkpointer(tmp_path / "ckpt") as ckpt:
+        r = ckpt.restore(params_like=model(), tx=tx, mesh=m2)
+    params, state, logs_b = train(kind, m2, r.params, r.opt_state, half, STEPS)
+    got = (
+        jax.tree.map(np.asarray, params),
+        portable(kind, state, params, m2),
+        [np.concatenate([a, b]) for a, b in zip(logs_a, logs_b, strict=True)],
+    )
+    assert_bitwise(got, run(kind, 8))
+
+
+def test_exact_sum_at_least_as_accurate_as_fp32():
+    """Against a float64 sum of the same unit gradients: the fixed-point sum's error
+    is no larger than the default fp32 psum's (elementwise and in the norm)."""
+    from jaxsync._src.fixed_point import exact_total, unit_sum
+
+    mesh = mesh_of(8)
+    rng = np.random.default_rng(0)
+    n = 4096
+    # gradients spanning many orders of magnitude, with cancellation between units
+    scale = 10.0 ** rng.uniform(-8, 2, size=n)
+    units = (rng.standard_normal((8, n)) * scale).astype(np.float32)
+    ref = units.astype(np.float64).sum(0)
+
+    @jax.jit
+    @partial(jax.shard_map, mesh=mesh, in_specs=P("data"), out_specs=(P(), P(), P(), P()))
+    def sums(u):
+        exact = unit_sum(u, ("data",))[0]
+        plain = jax.lax.psum(u[0], "data")
+        sq = jnp.square(u[0])
+        return exact, plain, exact_total([sq], ("data",)), jax.lax.psum(jnp.sum(sq), "data")
+
+    exact, plain, sq_exact, sq_plain = (np.asarray(x, np.float64) for x in sums(units))
+    err_exact, err_plain = np.abs(exact - ref), np.abs(plain - ref)
+    assert err_exact.max() <= err_plain.max()
+    assert err_exact.mean() <= err_plain.mean()
+    assert np.all(err_exact <= np.spacing(np.abs(ref).astype(np.float32)))  # <= 1 ulp
+    sq_ref = np.sum(units.astype(np.float64) ** 2)
+    assert abs(sq_exact - sq_ref) <= abs(sq_plain - sq_ref) + np.spacing(np.float32(sq_ref))
+
+
+def test_bad_input_fails_with_the_size_at_fault():
+    mesh = mesh_of(8)
+    params = mlp_params(jax.random.PRNGKey(0))
+    xs, ys = make_batches(jax.random.PRNGKey(1), 1, 24)
+
+    def grads_of(det, batch):
+        @partial(jax.shard_map, mesh=mesh, in_specs=(P(), P("data")), out_specs=P())
+        def f(p, b):
+            loss, _ = jaxsync.value_and_grad(mlp_loss, axis_name="data", deterministic=det)(p, b)
+            return loss
+
+        return jax.jit(f).lower(params, batch)
+
+    batch = jaxsync.shard_batch((xs[0], ys[0]), mesh)  # 3 rows per device
+    with pytest.raises(ValueError, match="local batch size 3 .* divisible by 2"):
+        grads_of(jaxsync.Deterministic(units=16), batch)
+    with pytest.raises(ValueError, match="units=4 .* 4 is not divisible by 8"):
+        grads_of(jaxsync.Deterministic(units=4), batch)
+    with pytest.raises(ValueError, match="units"):
+        jaxsync.Deterministic(units=0)
+    with pytest.raises(TypeError, match="Deterministic"):
+        jaxsync.distributed_optimizer(optax.sgd(0.1), axis_name="data", deterministic=8)
+
+    tx = jaxsync.distributed_optimizer(optax.sgd(0.1), axis_name="data")
+    specs = tx.state_specs(params, mesh)
+    xs, ys = make_batches(jax.random.PRNGKey(1), 1, 32)
+
+    @partial(jax.shard_map, mesh=mesh, in_specs=(P(), specs, P("data")), out_specs=specs)
+    def mixed(p, s, b):
+        _, g = jaxsync.value_and_grad(mlp_loss, axis_name="data", deterministic=DET)(p, b)
+        return tx.update(g, s, p)[1]
+
+    with pytest.raises(TypeError, match="without `deterministic=`"):
+        jax.jit(mixed).lower(params, tx.sharded_init(params, mesh), (xs[0], ys[0]))
+    with pytest.raises(NotImplementedError, match="sync="):
+        jaxsync.value_and_grad(mlp_loss, axis_name="data", deterministic=DET, sync=tx)
+
+
+# ------------------------------------------------------------- multi-process
+MP_SCRIPT = """
+import sys
+sys.path.insert(0, {tests!r})
+import jax, numpy as np
+import jaxsync
+jaxsync.initialize()
+from jax.experimental import multihost_utils
+import test_deterministic as t
+mesh = t.mesh_of(8, jax.devices())
+params, state, logs = t.train("zero", mesh, t.model(), t.init_state("zero", mesh), 0, t.STEPS)
+port = t.make_tx("zero").to_portable(state, params, mesh)
+port = multihost_utils.process_allgather(port, tiled=True)
+params = jax.tree.map(lambda p: np.asarray(p.addressable_data(0)), params)
+if jax.process_index() == 0:
+    leaves = jax.tree.leaves((params, port, logs))
+    np.savez({out!r}, *[np.asarray(x).astype(np.float64) for x in leaves])
+print("mp done", jax.process_count(), jax.device_count(), flush=True)
+"""
+
+
+@pytest.mark.multiprocess
+def test_two_processes_equal_one_process(tmp_path):
+    """2 processes x 4 devices (gloo) against 1 process x 8 devices: the same bits."""
+    out = tmp_path / "mp.npz"
+    script = tmp_path / "mp.py"
+    script.write_text(MP_SCRIPT.format(tests=os.path.join(ROOT, "tests"), out=str(out)))
+    env = dict(os.environ)
+    flags = [f for f in env.get("XLA_FLAGS", "").split() if "device_count" not in f]
+    env["XLA_FLAGS"] = " ".join([*flags, "--xla_force_host_platform_device_count=4"])
+    env["JAX_PLATFORMS"] = "cpu"
+    env["PYTHONPATH"] = os.pathsep.join([ROOT, env.get("PYTHONPATH", "")])
+    cmd = [sys.executable, "-m", "jaxsync.launch", "--nproc", "2", "--devices-per-proc", "4"]
+    res = subprocess.run(
+        [*cmd, str(script)], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "mp done 2 8" in res.stdout
+    with np.load(out) as f:
+        got = [f[f"arr_{i}"] for i in range(len(f.files))]
+    want = jax.tree.leaves(run("zero", 8))
+    assert len(got) == len(want)
+    for a, b in zip(got, want, strict=True):
+        assert np.array_equal(a, np.asarray(b).astype(np.float64), equal_nan=True)  # exact casts
