@@ -337,7 +337,6 @@ def next_metrics(
             [jnp.logical_not(jnp.all(jnp.isfinite(g))) for g in jax.tree.leaves(grads)]
         ).astype(jnp.int32)
 
-
     def locate(flags: jax.Array) -> tuple[jax.Array, jax.Array]:
         mesh_axes = tuple(jax.sharding.get_abstract_mesh().axis_names)
         flags = to_varying(flags, mesh_axes)

@@ -258,10 +258,18 @@ def exact_all_reduce(
     k = units_per_device(Deterministic(grads.units), axes, fn)
     check_unit_grads(grads, None, k, fn)
     shapes = jax.tree.map(lambda g: jax.ShapeDtypeStruct(g.shape[1:], jnp.float32), grads.grads)
-    layout = build_layout(shapes, num_shards=1, bucket_size=bucket_size)
+    n = axes_size(axes)
+    layout = build_layout(shapes, num_shards=n, bucket_size=bucket_size)
     packed = jax.vmap(layout.pack)(grads.grads)  # [buffer][bucket]: [k, size]
     inv = 1.0 / grads.count
-    out = [tuple(unit_sum(b, axes)[0] * inv for b in buckets) for buckets in packed]
+
+    def reduce(bucket: jax.Array) -> jax.Array:
+        # Reduce-scatter the limbs, convert this rank's piece, gather the floats:
+        # the bytes of a ring all-reduce, and 1/N of the conversion work.
+        piece = unit_sum(bucket, axes, scatter=True)[0] * inv
+        return jax.lax.all_gather(piece, axes, axis=0, tiled=True, to="invarying")
+
+    out = [tuple(reduce(b) for b in buckets) for buckets in packed]
     mean = layout.unpack(out)
     leaves, treedef = jax.tree.flatten(mean)
     return jax.tree.unflatten(
