@@ -164,7 +164,14 @@ def exact_total(values: list[jax.Array], axes: tuple[str, ...]) -> jax.Array:
         # Signed limbs normalise fine: `&` and `>>` are floor-mod and floor-div.
         partial.append(_sum_limbs(limbs))
     limbs = _normalise(jax.lax.psum(_normalise(sum(partial)), axes))
+    # Each limb times its weight is an exact fp32; adding them with error-free
+    # TwoSum steps (Neumaier) rounds the exact integer to fp32 about once.
     f = limbs.astype(jnp.float32)
-    val = ((f[3] * 2.0**16 + f[2]) * 2.0**16 + f[1]) * 2.0**16 + f[0]
-    val = scale_pow2(val, code - TOTAL_BITS)
+    val, err = f[3] * 2.0**48, jnp.float32(0)
+    for t in (f[2] * 2.0**32, f[1] * 2.0**16, f[0]):
+        s = val + t
+        bp = s - val
+        err = err + ((val - (s - bp)) + (t - bp))
+        val = s
+    val = scale_pow2(val + err, code - TOTAL_BITS)
     return jnp.where(code == NONFINITE, jnp.nan, val)
