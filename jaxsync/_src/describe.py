@@ -89,8 +89,6 @@ def describe_optimizer(tx: Any, params: PyTree, opt_state: PyTree) -> dict[str, 
         "loss_scale": _loss_scale(plan.loss_scale),
         "reduce_dtype": str(jnp.dtype(plan.reduce_dtype)),
         "rules": None if plan.rules is None else repr(plan.rules),
-        # Only when set, so checkpoints written before the mode existed still match.
-        **({} if plan.deterministic is None else {"deterministic_units": plan.deterministic.units}),
     }
 
 
