@@ -284,9 +284,21 @@ def test_bad_input_fails_with_the_size_at_fault():
         return jax.jit(f).lower(params, batch)
 
     batch = jaxsync.shard_batch((xs[0], ys[0]), mesh)  # 3 rows per device
+
+    def with_aux(p, b):
+        loss = mlp_loss(p, b)
+        return loss, {"loss": loss}
+
+    @partial(jax.shard_map, mesh=mesh, in_specs=(P(), P("data")), out_specs=(P(), P("data")))
+    def aux_of(p, b):
+        vg = jaxsync.value_and_grad(with_aux, axis_name="data", has_aux=True, deterministic=DET)
+        return vg(p, b)[0]
+
+    loss, aux = jax.eval_shape(aux_of, params, jaxsync.shard_batch((xs[0], ys[0]), mesh))
+    assert loss.shape == () and aux["loss"].shape == (8,)  # aux: one per unit
     with pytest.raises(ValueError, match="local batch size 3 .* divisible by 2"):
         grads_of(jaxsync.Deterministic(units=16), batch)
-    with pytest.raises(ValueError, match="units=4 .* 4 is not divisible by 8"):
+    with pytest.raises(ValueError, match="units=4 is not divisible by the 8 devices"):
         grads_of(jaxsync.Deterministic(units=4), batch)
     with pytest.raises(ValueError, match="units"):
         jaxsync.Deterministic(units=0)

@@ -34,6 +34,7 @@ import jax.numpy as jnp
 from .axes import axes_size, to_varying
 from .checks import check_local_loss
 from .fixed_point import MAX_ADDENDS, unit_sum
+from .placement import build_layout
 
 PyTree = Any
 
@@ -61,7 +62,17 @@ class Deterministic:
     Attributes:
       units: ``U``, the number of equal pieces each microbatch's global batch is
         cut into; a multiple of every DP size you want to use (e.g. 8 for 1, 2, 4
-        and 8 devices), at most 1024.
+        and 8 devices), at most 1024. ``U`` equal to the DP size costs least: each
+        device then runs one unit, as in the default mode.
+
+    Example:
+      >>> det = jaxsync.Deterministic(units=8)
+      >>> tx = jaxsync.distributed_optimizer(optax.adamw(3e-4), axis_name="data",
+      ...                                    deterministic=det)
+      >>> # inside shard_map over "data":
+      >>> loss, grads = jaxsync.value_and_grad(loss_fn, axis_name="data",
+      ...                                      deterministic=det)(params, batch)
+      >>> updates, opt_state = tx.update(grads, opt_state, params)
     """
 
     units: int = 8
@@ -124,18 +135,15 @@ def check_deterministic(det: Any, name: str = "deterministic") -> Deterministic 
 
 
 def units_per_device(det: Deterministic, axes: tuple[str, ...], fn: str) -> int:
+    """``U / N``, after checking that the DP size ``N`` divides ``U``."""
     n = axes_size(axes)
     if det.units % n:
         raise ValueError(
-            NOT_DIVISIBLE.format(
-                fn=fn,
-                units=det.units,
-                k="?",
-                n=n,
-                axes=axes,
-                what=f"{det.units} is not divisible by {n}",
-                fix=f"Use a data-parallel size dividing {det.units}, or `units` a multiple of {n}.",
-            )
+            f"{fn}: deterministic mode needs the data-parallel size to divide the units, "
+            f"but units={det.units} is not divisible by the {n} devices of axes {axes}. "
+            f"Run on a data-parallel size dividing {det.units}, or use "
+            f"`jaxsync.Deterministic(units=...)` with a multiple of {n} (the same units "
+            "at every size you compare)."
         )
     return det.units // n
 
@@ -159,10 +167,10 @@ def unit_value_and_grad(
     """
     k = units_per_device(det, axes, fn)
     leaves = jax.tree.leaves(microbatches)
-    m, b = leaves[0].shape[0], leaves[0].shape[1] if leaves[0].ndim > 1 else None
+    m = leaves[0].shape[0]
     for leaf in leaves:
         if leaf.ndim < 2 or leaf.shape[1] % k:
-            b = leaf.shape[1] if leaf.ndim > 1 else "no"
+            b = leaf.shape[1] if leaf.ndim > 1 else "none"
             raise ValueError(
                 NOT_DIVISIBLE.format(
                     fn=fn,
@@ -177,7 +185,7 @@ def unit_value_and_grad(
                 )
             )
     # [M, k * ub, ...] -> [M * k, ub, ...]: entry i = m * k + j is unit j of microbatch m.
-    data = jax.tree.map(lambda x: x.reshape(m * k, b // k, *x.shape[2:]), microbatches)
+    data = jax.tree.map(lambda x: x.reshape(m * k, x.shape[1] // k, *x.shape[2:]), microbatches)
     view = to_varying(params, axes)
     vg = jax.value_and_grad(fun, has_aux=has_aux)
     unit0 = jax.tree.map(lambda x: x[0], data)
@@ -211,8 +219,10 @@ def unit_value_and_grad(
 
         return jax.tree.map(add, acc, g), add(losses, loss), jax.tree.map(put, aux, a)
 
-    # A trip count XLA cannot read keeps the loop a loop at every N (a known count
-    # of 1 would be unrolled and fused into its neighbours differently).
+    # A trip count XLA cannot read keeps the loop a loop at every N: a known count
+    # of 1 may be unrolled and fused into its neighbours differently. (On XLA:CPU
+    # the tests give the same bits without this and the barriers too; they are
+    # insurance for compilers that simplify more, at no measurable cost.)
     trips = jax.lax.optimization_barrier(jnp.int32(m * k))
     acc, losses, aux = jax.lax.fori_loop(0, trips, body, (acc, losses, aux))
     total, _ = unit_sum(losses.reshape(k, 1), axes)
@@ -253,8 +263,6 @@ def exact_all_reduce(
     grads: UnitGrads, axes: tuple[str, ...], bucket_size: int | None, fn: str
 ) -> PyTree:
     """The mean gradient tree (in the grads' own dtypes), summed exactly over units."""
-    from .placement import build_layout
-
     k = units_per_device(Deterministic(grads.units), axes, fn)
     check_unit_grads(grads, None, k, fn)
     shapes = jax.tree.map(lambda g: jax.ShapeDtypeStruct(g.shape[1:], jnp.float32), grads.grads)
