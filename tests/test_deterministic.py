@@ -63,6 +63,8 @@ def make_tx(kind, det=DET):
             optax.adamw(5e-3, weight_decay=0.1),
             axis_name="data",
             clip_grad_norm=CLIP,
+            # grows every 3 good steps, backs off on the NaN step
+            loss_scale=jaxsync.DynamicLossScale(2.0**8, growth_interval=3, hysteresis=1),
             deterministic=det,
         )
     return optax.chain(optax.clip_by_global_norm(CLIP), optax.adamw(5e-3, weight_decay=0.1))
@@ -88,12 +90,18 @@ def make_step(kind, mesh, det=DET):
     )
     def step(params, state, batch):
         if kind == "zero":
+            scale = state.loss_scale.scale
+
+            def scaled(p, b):
+                return mlp_loss(p, b) * scale
+
             loss, grads = jaxsync.accumulate_grads(
-                mlp_loss, params, batch, axis_name="data", deterministic=det
+                scaled, params, batch, axis_name="data", deterministic=det
             )
-            updates, state = tx.update(grads, state, params)
-            m = state.metrics
-            return optax.apply_updates(params, updates), state, loss, m.grad_norm, m.skipped
+            updates, new_state = tx.update(grads, state, params)
+            m = new_state.metrics
+            loss = loss / scale
+            return optax.apply_updates(params, updates), new_state, loss, m.grad_norm, m.skipped
         vg = jaxsync.value_and_grad(mlp_loss, axis_name="data", deterministic=det)
         loss, units = vg(params, batch)
         grads = jaxsync.all_reduce_grads(units, axis_name="data", deterministic=det)
@@ -188,6 +196,8 @@ def test_bitwise_identical_at_every_dp_size(kind):
     assert np.all(norms[finite] > CLIP)  # clipping active on every applied step
     if kind == "zero":
         assert list(np.flatnonzero(flag)) == [NAN_STEP]  # the NaN step, and only it, skipped
+        scale = state["rest"][0].scale
+        assert scale == 2.0**8 * 2**3 * 0.5  # 3 growths and one backoff
         assert {m.dtype for m in jax.tree.leaves(state["master"])} == {np.dtype("float32")}
     else:
         assert flag.all()  # sync_grads == all_reduce_grads, bitwise
