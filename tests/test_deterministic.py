@@ -39,6 +39,7 @@ def mesh_of(n, devices=None):
     return jax.make_mesh((n,), ("data",), devices=devices)
 
 
+@functools.cache  # eager jax.random compiles an XLA program per op: build once
 def model(kind="zero"):
     """The MLP; for the distributed optimizer one layer is bf16 (with an fp32 master)."""
     params = mlp_params(jax.random.PRNGKey(0))
@@ -47,6 +48,7 @@ def model(kind="zero"):
     return params
 
 
+@functools.cache
 def data(kind):
     """``(xs, ys)``: ``[steps, batch, ...]`` (ddp) or ``[steps, micro, batch, ...]`` (zero)."""
     if kind == "ddp":
@@ -65,6 +67,7 @@ def make_tx(kind, det=DET):
             clip_grad_norm=CLIP,
             # grows every 3 good steps, backs off on the NaN step
             loss_scale=jaxsync.DynamicLossScale(2.0**8, growth_interval=3, hysteresis=1),
+            check_elementwise=False,  # adamw is; the probe costs seconds per mesh
             deterministic=det,
         )
     return optax.chain(optax.clip_by_global_norm(CLIP), optax.adamw(5e-3, weight_decay=0.1))
@@ -121,7 +124,7 @@ def init_state(kind, mesh):
     params, tx = model(kind), make_tx(kind)
     if kind == "zero":
         return tx.sharded_init(params, mesh)
-    return jax.device_put(tx.init(params), NamedSharding(mesh, P()))
+    return jax.jit(tx.init, out_shardings=NamedSharding(mesh, P()))(params)
 
 
 def train(kind, mesh, params, state, lo, hi, det=DET):
