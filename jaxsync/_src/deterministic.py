@@ -31,10 +31,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from .axes import axes_size, to_varying
+from .axes import axes_size, bound_axes, to_varying
 from .checks import check_local_loss
 from .fixed_point import MAX_ADDENDS, unit_sum
-from .placement import build_layout
 
 PyTree = Any
 
@@ -252,58 +251,41 @@ def check_unit_grads(grads: Any, det: Deterministic | None, k: int | None, fn: s
     return grads
 
 
-UNIT_GRADS_WITHOUT_MODE = (
-    "{fn} got UnitGrads (from `deterministic=` in value_and_grad/accumulate_grads) but "
-    "was built without `deterministic=`; pass the same `deterministic=jaxsync.Deterministic"
-    "(units={units})` to it, so the units are summed exactly."
-)
+def check_det_args(argnums: Any, rules: Any, sync: Any, fn: str) -> None:
+    """What deterministic mode does not combine with, named with the way out."""
+    if sync is not None:
+        raise NotImplementedError(
+            f"{fn}: `deterministic=` does not combine with the in-loop `sync=`; drop `sync=` "
+            "and pass the UnitGrads to `tx.update` (a distributed_optimizer built with the "
+            "same `deterministic=`) or to jaxsync.all_reduce_grads."
+        )
+    if rules is not None:
+        raise NotImplementedError(
+            f"{fn}: `deterministic=` supports plain data parallelism only, not `rules`."
+        )
+    if argnums != 0:
+        raise ValueError(
+            f"{fn}: with `deterministic=`, `fun` must be `fun(params, batch)` with "
+            f"argnums=0, got argnums={argnums!r}."
+        )
 
 
-def exact_all_reduce(
-    grads: UnitGrads, axes: tuple[str, ...], bucket_size: int | None, fn: str
-) -> PyTree:
-    """The mean gradient tree (in the grads' own dtypes), summed exactly over units."""
-    k = units_per_device(Deterministic(grads.units), axes, fn)
-    check_unit_grads(grads, None, k, fn)
-    shapes = jax.tree.map(lambda g: jax.ShapeDtypeStruct(g.shape[1:], jnp.float32), grads.grads)
-    n = axes_size(axes)
-    layout = build_layout(shapes, num_shards=n, bucket_size=bucket_size)
-    packed = jax.vmap(layout.pack)(grads.grads)  # [buffer][bucket]: [k, size]
-    inv = 1.0 / grads.count
+def deterministic_value_and_grad(
+    fun: Callable[..., Any],
+    axis_name: Any,
+    argnums: Any,
+    has_aux: bool,
+    rules: Any,
+    sync: Any,
+    det: Deterministic,
+) -> Callable[..., Any]:
+    """:func:`jaxsync.value_and_grad` with ``deterministic=``: one microbatch of units."""
+    fn = "jaxsync.value_and_grad"
+    check_det_args(argnums, rules, sync, fn)
 
-    def reduce(bucket: jax.Array) -> jax.Array:
-        # Reduce-scatter the limbs, convert this rank's piece, gather the floats:
-        # the bytes of a ring all-reduce, and 1/N of the conversion work.
-        piece = unit_sum(bucket, axes, scatter=True)[0] * inv
-        return jax.lax.all_gather(piece, axes, axis=0, tiled=True, to="invarying")
+    def wrapped(params: PyTree, batch: PyTree) -> Any:
+        axes = bound_axes(axis_name, fn)
+        one = jax.tree.map(lambda x: x[None], batch)
+        return unit_value_and_grad(fun, params, one, det, axes, has_aux=has_aux, fn=fn)
 
-    out = [tuple(reduce(b) for b in buckets) for buckets in packed]
-    mean = layout.unpack(out)
-    leaves, treedef = jax.tree.flatten(mean)
-    return jax.tree.unflatten(
-        treedef, [x.astype(d) for x, d in zip(leaves, grads.dtypes, strict=True)]
-    )
-
-
-def exact_reduce_scatter(
-    grads: UnitGrads, layout: Any, axes: tuple[str, ...], scale: jax.Array, fn: str
-) -> tuple[jax.Array, ...]:
-    """This rank's shards of the mean gradient (fp32), summed exactly over units."""
-    k = units_per_device(Deterministic(grads.units), axes, fn)
-    check_unit_grads(grads, None, k, fn)
-    packed = jax.vmap(lambda t: layout.pack(t, jnp.float32))(grads.grads)
-    factor = (1.0 / grads.count) * scale
-    shards = []
-    for buckets in packed:
-        pieces = [unit_sum(b, axes, scatter=True)[0] * factor for b in buckets]
-        shards.append(pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces))
-    return tuple(shards)
-
-
-def nonfinite_flags(grads: UnitGrads) -> jax.Array:
-    """``[units per device, params]``: where a unit's gradient of a param holds NaN/Inf."""
-    leaves = jax.tree.leaves(grads.grads)
-    return jnp.stack(
-        [jnp.logical_not(jnp.all(jnp.isfinite(g), axis=tuple(range(1, g.ndim)))) for g in leaves],
-        axis=1,
-    )
+    return wrapped

@@ -22,14 +22,14 @@ from .axes import AxisName, axes_size, bound_axes, normalize_axes, rank, to_vary
 from .checks import check_bool, check_float_dtype, check_local_grads, check_local_loss, check_rules
 from .collectives import bucket_all_reduce
 from .deterministic import (
-    UNIT_GRADS_WITHOUT_MODE,
     Deterministic,
     UnitGrads,
+    check_det_args,
     check_deterministic,
-    check_unit_grads,
-    exact_all_reduce,
+    deterministic_value_and_grad,
     unit_value_and_grad,
 )
+from .exact_sync import UNIT_GRADS_WITHOUT_MODE, all_reduce_unit_grads
 from .finalize import SyncRules, local_view, sync_keys
 from .layout import BufferKey, Layout
 from .placement import build_layout, check_bucket_size
@@ -79,7 +79,7 @@ def value_and_grad(
     normalize_axes(axis_name)
     det = check_deterministic(deterministic)
     if det is not None:
-        return _deterministic(fun, axis_name, argnums, has_aux, rules, sync, det)
+        return deterministic_value_and_grad(fun, axis_name, argnums, has_aux, rules, sync, det)
     if sync is not None:
         return _synced(fun, sync, argnums, has_aux, rules)
     vg = jax.value_and_grad(fun, argnums=argnums, has_aux=has_aux)
@@ -93,44 +93,6 @@ def value_and_grad(
         out, grads = vg(*args, **kwargs)
         check_local_loss(out, axes, has_aux, axis_name)
         return out, grads
-
-    return wrapped
-
-
-def _check_det_args(argnums: Any, rules: Any, sync: Any, fn: str) -> None:
-    if sync is not None:
-        raise NotImplementedError(
-            f"{fn}: `deterministic=` does not combine with the in-loop `sync=`; drop `sync=` "
-            "and pass the UnitGrads to `tx.update` (a distributed_optimizer built with the "
-            "same `deterministic=`) or to jaxsync.all_reduce_grads."
-        )
-    if rules is not None:
-        raise NotImplementedError(
-            f"{fn}: `deterministic=` supports plain data parallelism only, not `rules`."
-        )
-    if argnums != 0:
-        raise ValueError(
-            f"{fn}: with `deterministic=`, `fun` must be `fun(params, batch)` with "
-            f"argnums=0, got argnums={argnums!r}."
-        )
-
-
-def _deterministic(
-    fun: Callable[..., Any],
-    axis_name: AxisName,
-    argnums: Any,
-    has_aux: bool,
-    rules: Any,
-    sync: Any,
-    det: Deterministic,
-) -> Callable[..., Any]:
-    fn = "jaxsync.value_and_grad"
-    _check_det_args(argnums, rules, sync, fn)
-
-    def wrapped(params: PyTree, batch: PyTree) -> Any:
-        axes = bound_axes(axis_name, fn)
-        one = jax.tree.map(lambda x: x[None], batch)
-        return unit_value_and_grad(fun, params, one, det, axes, has_aux=has_aux, fn=fn)
 
     return wrapped
 
@@ -219,7 +181,7 @@ def accumulate_grads(
     det = check_deterministic(deterministic)
     if det is not None:
         fn = "jaxsync.accumulate_grads"
-        _check_det_args(0, rules, sync, fn)
+        check_det_args(0, rules, sync, fn)
         return unit_value_and_grad(fun, params, microbatches, det, axes, has_aux=has_aux, fn=fn)
     if sync is not None:
         return _accumulate_synced(fun, params, microbatches, n, axes, has_aux, sync)
@@ -332,7 +294,7 @@ def all_reduce_grads(
     """
     det = check_deterministic(deterministic)
     if det is not None or isinstance(grads, UnitGrads):
-        return _exact(
+        return all_reduce_unit_grads(
             grads, axis_name, bucket_size, average, rules, det, "jaxsync.all_reduce_grads"
         )
     check_rules(rules)
@@ -358,25 +320,6 @@ def _all_reduce(
     return bucket_all_reduce(
         grads, layout, axis_name=axes, reduce_dtype=reduce_dtype, average=average
     )
-
-
-def _exact(
-    grads: Any,
-    axis_name: AxisName,
-    bucket_size: int | None,
-    average: bool,
-    rules: Any,
-    det: Deterministic | None,
-    fn: str,
-) -> PyTree:
-    axes = bound_axes(axis_name, fn)
-    check_unit_grads(grads, det, None, fn)
-    if rules is not None or not average:
-        raise NotImplementedError(
-            f"{fn}: UnitGrads are summed exactly into the mean over units: `average` must "
-            "be True and `rules` None (deterministic mode is plain data parallelism)."
-        )
-    return exact_all_reduce(grads, axes, check_bucket_size(bucket_size), fn)
 
 
 def nonfinite_grads(grads: PyTree, *, axis_name: AxisName | None = None) -> PyTree:
@@ -486,7 +429,7 @@ def sync_grads(
         del params
         fn = "jaxsync.sync_grads"
         if det is not None:
-            return _exact(grads, axes, bucket_size, average, rules, det, fn), state
+            return all_reduce_unit_grads(grads, axes, bucket_size, average, rules, det, fn), state
         if isinstance(grads, UnitGrads):
             raise TypeError(UNIT_GRADS_WITHOUT_MODE.format(fn=fn, units=grads.units))
         reduced = _all_reduce(

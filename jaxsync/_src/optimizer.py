@@ -29,17 +29,9 @@ from .axes import (
 )
 from .checks import check_optimizer_args, check_update, next_metrics
 from .collectives import bucket_all_gather, bucket_reduce_scatter
-from .deterministic import (
-    UNIT_GRADS_WITHOUT_MODE,
-    Deterministic,
-    UnitGrads,
-    check_deterministic,
-    check_unit_grads,
-    exact_reduce_scatter,
-    nonfinite_flags,
-)
+from .deterministic import Deterministic, UnitGrads, check_deterministic
+from .exact_sync import UNIT_GRADS_WITHOUT_MODE, exact_shards
 from .finalize import SyncRules
-from .fixed_point import exact_total
 from .layout import Layout
 from .loss_scale import LossScale, check_loss_scale, update_loss_scale
 from .optimizer_state import DistributedOptimizerState, ShardedGrads
@@ -283,7 +275,10 @@ def distributed_optimizer(
         check_update(grads, state, params, layout, cfg, "distributed_optimizer.update")
         inv_scale = 1.0 / state.loss_scale.scale
         if det is not None:
-            return _deterministic_update(cfg, layout, grads, state, params)
+            shards, grad_norm, num_zeros, finite, flags = exact_shards(cfg, layout, grads, state)
+            return apply_shards(
+                cfg, layout, shards, state, params, None, grad_norm, num_zeros, finite, flags
+            )
         if isinstance(grads, UnitGrads):
             raise TypeError(
                 UNIT_GRADS_WITHOUT_MODE.format(fn="distributed_optimizer", units=grads.units)
@@ -385,46 +380,3 @@ def apply_shards(
         metrics=next_metrics(state.metrics, grads, finite, grad_norm, num_zeros, unit_flags),
     )
     return updates, new_state
-
-
-def _deterministic_update(
-    cfg: Plan,
-    layout: Layout,
-    grads: Any,
-    state: DistributedOptimizerState,
-    params: PyTree,
-) -> tuple[PyTree, DistributedOptimizerState]:
-    """The update of deterministic mode: every sum exact, so no bit depends on N."""
-    fn = "distributed_optimizer.update"
-    grads = check_unit_grads(grads, cfg.deterministic, None, fn)
-    if any(buf.key.varying or buf.key.axes != cfg.axes for buf in layout.buffers):
-        raise NotImplementedError(
-            f"{fn}: `deterministic=` supports params replicated over the mesh (plain data "
-            "parallelism); some params are sharded over other axes."
-        )
-    mesh_axes = tuple(jax.sharding.get_abstract_mesh().axis_names)
-    if set(mesh_axes) != set(cfg.axes):
-        raise NotImplementedError(
-            f"{fn}: `deterministic=` needs the data axes {cfg.axes} to be the whole mesh "
-            f"{mesh_axes}."
-        )
-    inv_scale = 1.0 / state.loss_scale.scale
-    shards = exact_reduce_scatter(grads, layout, cfg.axes, inv_scale, fn)
-    # The norm's shard boundaries move with N: its sum of squares is exact too.
-    grad_norm = jnp.sqrt(exact_total([jnp.square(s) for s in shards], cfg.axes))
-    zeros = sum(jnp.sum(s == 0).astype(jnp.int32) for s in shards)
-    padding = sum(buf.size - buf.used for buf in layout.buffers)
-    num_zeros = jax.lax.psum(zeros, cfg.axes) - padding
-    finite = jnp.isfinite(grad_norm)
-    return apply_shards(
-        cfg,
-        layout,
-        shards,
-        state,
-        params,
-        None,
-        grad_norm,
-        num_zeros,
-        finite,
-        nonfinite_flags(grads),
-    )
