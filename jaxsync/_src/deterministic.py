@@ -221,7 +221,7 @@ def unit_value_and_grad(
     # A trip count XLA cannot read keeps the loop a loop at every N: a known count
     # of 1 may be unrolled and fused into its neighbours differently. (On XLA:CPU
     # the tests give the same bits without this and the barriers too; they are
-    # insurance for compilers that simplify more, at no measurable cost.)
+    # insurance for compilers that simplify more.)
     trips = jax.lax.optimization_barrier(jnp.int32(m * k))
     acc, losses, aux = jax.lax.fori_loop(0, trips, body, (acc, losses, aux))
     total, _ = unit_sum(losses.reshape(k, 1), axes)
