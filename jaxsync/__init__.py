@@ -11,6 +11,8 @@ from jaxsync._src.collectives import bucket_all_gather as bucket_all_gather
 from jaxsync._src.collectives import bucket_all_reduce as bucket_all_reduce
 from jaxsync._src.collectives import bucket_reduce_scatter as bucket_reduce_scatter
 from jaxsync._src.data import shard_batch as shard_batch
+from jaxsync._src.deterministic import Deterministic as Deterministic
+from jaxsync._src.deterministic import UnitGrads as UnitGrads
 from jaxsync._src.distributed import ProcessInfo as ProcessInfo
 from jaxsync._src.distributed import initialize as initialize
 from jaxsync._src.finalize import ExpertParallel as ExpertParallel
@@ -70,6 +72,7 @@ __all__ = [
     "CorruptCheckpointError",
     "CollectiveStats",
     "DataParallel",
+    "Deterministic",
     "DistributedOptimizer",
     "DistributedOptimizerState",
     "DynamicLossScale",
@@ -87,6 +90,7 @@ __all__ = [
     "Tied",
     "TrainState",
     "TrainStep",
+    "UnitGrads",
     "Buffer",
     "BufferKey",
     "Layout",

@@ -476,6 +476,23 @@ def check_checkpoint(ns: dict, ctx: SimpleNamespace) -> None:
     ]
 
 
+def setup_deterministic(ns: dict, ctx: SimpleNamespace) -> None:
+    ns["params"] = random_like(mlp_params, 7)
+    ns["loss_fn"] = mlp_loss
+    ns["batch"] = (normal(110, ROWS, 12), normal(111, ROWS, 5))
+    ctx.params = ns["params"]
+
+
+def check_deterministic(ns: dict, ctx: SimpleNamespace) -> None:
+    # the loss is the global batch's (summed exactly over the 8 units), and the
+    # step is the README's optimizer on one device, on the whole batch
+    np.testing.assert_allclose(ns["loss"], mlp_loss(ctx.params, ns["batch"]), rtol=1e-5)
+    ref = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(3e-4))
+    close(ns["params"], one_step(ref, mlp_loss, ctx.params, ns["batch"]))
+    assert changed(ns["params"], ctx.params)
+    assert ns["det"] == jaxsync.Deterministic(units=8)
+
+
 @dataclasses.dataclass(frozen=True)
 class Spec:
     setup: Callable[[dict, SimpleNamespace], None] | None = None
@@ -496,6 +513,7 @@ SPECS = {
     "fsdp": Spec(setup_fsdp, check_fsdp),
     "multihost": Spec(setup_multihost, check_multihost),
     "checkpoint": Spec(setup_checkpoint, check_checkpoint),
+    "deterministic": Spec(setup_deterministic, check_deterministic),
 }
 
 

@@ -307,20 +307,30 @@ def check_param_specs(params: PyTree, specs: PyTree, mesh: Any) -> None:
 
 # ------------------------------------------------------- skipped-step metrics
 def next_metrics(
-    prev: Any, grads: PyTree, finite: jax.Array, grad_norm: jax.Array, num_zeros: jax.Array
+    prev: Any,
+    grads: PyTree,
+    finite: jax.Array,
+    grad_norm: jax.Array,
+    num_zeros: jax.Array,
+    unit_flags: jax.Array | None = None,
 ) -> Any:
     """The step's :class:`~jaxsync.StepMetrics`, with no host sync.
 
     On the first step of a run of skipped steps, one conditional branch (not run
     on other steps) finds which params had non-finite *local* gradients and on
     which devices: a ``psum`` and a ``pmin`` of one int per param over the mesh.
+    With ``unit_flags`` (``[units per device, params]``, deterministic mode) it
+    counts and names *units* instead of devices, so the metrics do not depend
+    on the data-parallel size either.
     """
     skipped = jnp.logical_not(finite)
     record = skipped & (prev.consecutive_skips == 0)
     # One small reduction per leaf, computed where the grads are made; the
     # conditional then holds only these flags, not the grads (holding the grads
     # for it kept them all alive to the end of the step: +40% temporaries).
-    if isinstance(grads, ShardedGrads):
+    if unit_flags is not None:
+        flags = unit_flags.astype(jnp.int32)
+    elif isinstance(grads, ShardedGrads):
         flags = grads.nonfinite.astype(jnp.int32)  # recorded before the in-loop reduction
     else:
         flags = jnp.stack(
@@ -331,6 +341,13 @@ def next_metrics(
         mesh_axes = tuple(jax.sharding.get_abstract_mesh().axis_names)
         flags = to_varying(flags, mesh_axes)
         device = jax.lax.axis_index(mesh_axes)
+        if unit_flags is not None:  # global unit index of each row, then per param
+            k = flags.shape[0]
+            unit = (device * k + jnp.arange(k, dtype=jnp.int32))[:, None]
+            none = jnp.iinfo(jnp.int32).max
+            count = jax.lax.psum(jnp.sum(flags, axis=0), mesh_axes)
+            first = jax.lax.pmin(jnp.min(jnp.where(flags > 0, unit, none), axis=0), mesh_axes)
+            return count, jnp.where(count > 0, first, -1).astype(jnp.int32)
         count = jax.lax.psum(flags, mesh_axes)
         none = jnp.iinfo(jnp.int32).max
         first = jax.lax.pmin(jnp.where(flags > 0, device, none), mesh_axes)
@@ -439,8 +456,12 @@ def check_update(
     local = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), params)
     expected = jax.eval_shape(lambda p: plan.init_for_rank(p, layout, lambda _: 0), local)
     check_state(state, layout, expected, fn)
-    if isinstance(grads, ShardedGrads):
-        return  # reduced inside the step by value_and_grad(sync=tx): shapes checked there
+    from .deterministic import UnitGrads  # a cycle at import time
+
+    if isinstance(grads, ShardedGrads | UnitGrads):
+        # ShardedGrads: reduced inside the step by value_and_grad(sync=tx), shapes
+        # checked there; UnitGrads: checked by the deterministic update.
+        return
     layout.check_tree(grads, "grads")
     check_local_grads(
         grads,

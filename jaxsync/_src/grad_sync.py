@@ -21,6 +21,15 @@ import optax
 from .axes import AxisName, axes_size, bound_axes, normalize_axes, rank, to_varying
 from .checks import check_bool, check_float_dtype, check_local_grads, check_local_loss, check_rules
 from .collectives import bucket_all_reduce
+from .deterministic import (
+    Deterministic,
+    UnitGrads,
+    check_det_args,
+    check_deterministic,
+    deterministic_value_and_grad,
+    unit_value_and_grad,
+)
+from .exact_sync import UNIT_GRADS_WITHOUT_MODE, all_reduce_unit_grads
 from .finalize import SyncRules, local_view, sync_keys
 from .layout import BufferKey, Layout
 from .placement import build_layout, check_bucket_size
@@ -37,6 +46,7 @@ def value_and_grad(
     has_aux: bool = False,
     rules: SyncRules | None = None,
     sync: Any = None,
+    deterministic: Deterministic | bool | None = None,
 ) -> Callable[..., Any]:
     """Like ``jax.value_and_grad``, but returns this device's local gradients.
 
@@ -67,6 +77,9 @@ def value_and_grad(
     """
     check_rules(rules)
     normalize_axes(axis_name)
+    det = check_deterministic(deterministic)
+    if det is not None:
+        return deterministic_value_and_grad(fun, axis_name, argnums, has_aux, rules, sync, det)
     if sync is not None:
         return _synced(fun, sync, argnums, has_aux, rules)
     vg = jax.value_and_grad(fun, argnums=argnums, has_aux=has_aux)
@@ -120,6 +133,7 @@ def accumulate_grads(
     accum_dtype: Any = jnp.float32,
     rules: SyncRules | None = None,
     sync: Any = None,
+    deterministic: Deterministic | bool | None = None,
 ) -> tuple[Any, PyTree]:
     """Mean loss and mean *local* gradients over microbatches, with no communication.
 
@@ -143,6 +157,11 @@ def accumulate_grads(
         is returned.
       accum_dtype: dtype the gradients are summed in.
       rules: finalize rules, as for :func:`value_and_grad`.
+      sync: in-loop sync, as for :func:`value_and_grad`.
+      deterministic: a :class:`jaxsync.Deterministic`: each microbatch's global
+        batch is cut into ``units`` units; each unit's gradients are summed over
+        microbatches in order (fp32), and returned as :class:`jaxsync.UnitGrads`;
+        the loss is the exact global mean (see :func:`value_and_grad`).
 
     Returns:
       ``(loss, grads)`` or ``((loss, aux), grads)``: means over microbatches,
@@ -159,6 +178,11 @@ def accumulate_grads(
         )
     (n,) = counts
     axes = bound_axes(axis_name, "jaxsync.accumulate_grads")
+    det = check_deterministic(deterministic)
+    if det is not None:
+        fn = "jaxsync.accumulate_grads"
+        check_det_args(0, rules, sync, fn)
+        return unit_value_and_grad(fun, params, microbatches, det, axes, has_aux=has_aux, fn=fn)
     if sync is not None:
         return _accumulate_synced(fun, params, microbatches, n, axes, has_aux, sync)
     vg = value_and_grad(fun, axis_name=axes, has_aux=has_aux, rules=rules)
@@ -246,6 +270,7 @@ def all_reduce_grads(
     reduce_dtype: Any = jnp.float32,
     average: bool = True,
     rules: SyncRules | None = None,
+    deterministic: Deterministic | bool | None = None,
 ) -> PyTree:
     """Bucketed all-reduce of local gradients (data parallelism + finalize rules).
 
@@ -258,10 +283,20 @@ def all_reduce_grads(
       average: mean over ranks (``True``) or sum.
       rules: :class:`SyncRules`: the extra tied / sequence-parallel / expert
         reductions of Megatron's ``finalize_model_grads``, per bucket.
+      deterministic: a :class:`jaxsync.Deterministic`; ``grads`` are then the
+        :class:`jaxsync.UnitGrads` made with it, summed exactly (bitwise the same
+        mean at any DP size). :class:`jaxsync.UnitGrads` are summed so even
+        without it. Needs ``average=True`` and no ``rules``; ``reduce_dtype`` is
+        not used (the sum is exact).
 
     Returns:
       The reduced gradients, each in its original dtype, typed replicated.
     """
+    det = check_deterministic(deterministic)
+    if det is not None or isinstance(grads, UnitGrads):
+        return all_reduce_unit_grads(
+            grads, axis_name, bucket_size, average, rules, det, "jaxsync.all_reduce_grads"
+        )
     check_rules(rules)
     check_float_dtype(reduce_dtype, "reduce_dtype", allow_none=True)
     check_bool(average, "average")
@@ -362,6 +397,7 @@ def sync_grads(
     reduce_dtype: Any = jnp.float32,
     average: bool = True,
     rules: SyncRules | None = None,
+    deterministic: Deterministic | bool | None = None,
 ) -> optax.GradientTransformation:
     """Plain data parallelism as an optax transformation: bucketed all-reduce.
 
@@ -372,12 +408,16 @@ def sync_grads(
       ...                  optax.clip_by_global_norm(1.0), optax.adam(3e-4))
 
     Reduced gradients keep their dtype; the reduction runs in ``reduce_dtype``.
+    With ``deterministic`` (a :class:`jaxsync.Deterministic`) it takes the
+    :class:`jaxsync.UnitGrads` made with the same one and sums them exactly,
+    as :func:`all_reduce_grads` does.
     """
     axes = normalize_axes(axis_name)
     bucket_size = check_bucket_size(bucket_size)
     check_rules(rules)
     check_float_dtype(reduce_dtype, "reduce_dtype", allow_none=True)
     check_bool(average, "average")
+    det = check_deterministic(deterministic)
 
     def init_fn(params: PyTree) -> SyncGradsState:
         del params
@@ -387,6 +427,11 @@ def sync_grads(
         grads: PyTree, state: SyncGradsState, params: PyTree | None = None
     ) -> tuple[PyTree, SyncGradsState]:
         del params
+        fn = "jaxsync.sync_grads"
+        if det is not None:
+            return all_reduce_unit_grads(grads, axes, bucket_size, average, rules, det, fn), state
+        if isinstance(grads, UnitGrads):
+            raise TypeError(UNIT_GRADS_WITHOUT_MODE.format(fn=fn, units=grads.units))
         reduced = _all_reduce(
             grads, axes, bucket_size, reduce_dtype, average, rules, "jaxsync.sync_grads"
         )

@@ -29,6 +29,8 @@ from .axes import (
 )
 from .checks import check_optimizer_args, check_update, next_metrics
 from .collectives import bucket_all_gather, bucket_reduce_scatter
+from .deterministic import Deterministic, UnitGrads, check_deterministic
+from .exact_sync import UNIT_GRADS_WITHOUT_MODE, exact_shards
 from .finalize import SyncRules
 from .layout import Layout
 from .loss_scale import LossScale, check_loss_scale, update_loss_scale
@@ -148,6 +150,7 @@ def distributed_optimizer(
     check_elementwise: bool = True,
     rules: SyncRules | None = None,
     stacked: str | Sequence[str] | None = None,
+    deterministic: Deterministic | bool | None = None,
 ) -> DistributedOptimizer:
     """Wraps an elementwise optax optimizer into a ZeRO sharded optimizer.
 
@@ -189,6 +192,12 @@ def distributed_optimizer(
         ``[layers, shard]``: rank ``r`` owns the same range of every layer, so
         :func:`jaxsync.value_and_grad` with ``sync=tx`` can reduce-scatter each
         layer's gradients inside the backward scan (see :func:`jaxsync.tap`).
+      deterministic: a :class:`jaxsync.Deterministic`: ``update`` then takes the
+        :class:`jaxsync.UnitGrads` made with the same one, reduce-scatters them
+        exactly (fixed point, int32 limbs) and sums the global norm exactly, so
+        params, master, state, norm and skips are the same bits at any DP size
+        dividing its ``units``. Plain data parallelism only (no ``rules``,
+        ``stacked`` or params sharded over other axes); ``reduce_dtype`` fp32.
 
     Returns:
       A :class:`DistributedOptimizer` (an ``optax.GradientTransformationExtraArgs``).
@@ -223,6 +232,17 @@ def distributed_optimizer(
     bucket_size = check_bucket_size(bucket_size)
     check_loss_scale(loss_scale)
     stacked = normalize_stacked(stacked)
+    det = check_deterministic(deterministic)
+    if det is not None and (rules is not None or stacked):
+        raise NotImplementedError(
+            "distributed_optimizer: `deterministic=` supports plain data parallelism only; "
+            f"drop `rules` ({rules!r}) and `stacked` ({stacked!r}), or drop `deterministic`."
+        )
+    if det is not None and jnp.dtype(reduce_dtype) != jnp.float32:
+        raise ValueError(
+            "distributed_optimizer: `deterministic=` sums exactly and hands fp32 to the "
+            f"optimizer; `reduce_dtype` must be float32, got {reduce_dtype!r}."
+        )
     cfg = Plan(
         inner,
         axes,
@@ -234,6 +254,7 @@ def distributed_optimizer(
         check_elementwise,
         rules,
         stacked,
+        det,
     )
 
     def init_fn(params: PyTree) -> DistributedOptimizerState:
@@ -253,6 +274,15 @@ def distributed_optimizer(
         layout = cfg.layout_inside(params)
         check_update(grads, state, params, layout, cfg, "distributed_optimizer.update")
         inv_scale = 1.0 / state.loss_scale.scale
+        if det is not None:
+            shards, grad_norm, num_zeros, finite, flags = exact_shards(cfg, layout, grads, state)
+            return apply_shards(
+                cfg, layout, shards, state, params, None, grad_norm, num_zeros, finite, flags
+            )
+        if isinstance(grads, UnitGrads):
+            raise TypeError(
+                UNIT_GRADS_WITHOUT_MODE.format(fn="distributed_optimizer", units=grads.units)
+            )
         if isinstance(grads, ShardedGrads):
             # Reduced already (inside the backward scan): only unscale.
             shards = tuple(
@@ -291,47 +321,62 @@ def distributed_optimizer(
         grad_norm = jnp.sqrt(total[0])
         num_zeros = jnp.round(total[1] - padding).astype(jnp.int32)
         finite = jnp.isfinite(grad_norm)
-
-        if clip_grad_norm is not None:
-            # Same arithmetic as optax.clip_by_global_norm, so results match it.
-            keep = grad_norm < clip_grad_norm
-            shards = tuple(
-                jnp.where(keep, s, (s / grad_norm.astype(s.dtype)) * clip_grad_norm) for s in shards
-            )
-
-        new_master, new_inner, out = [], [], []
-        for bi, buf in enumerate(layout.buffers):
-            master = state.master[bi]
-            g = jnp.where(finite, shards[bi], 0.0).astype(jnp.float32)
-            upd, inner_state = cfg.inner_for(layout, bi).update(g, state.inner_state[bi], master)
-            upd = jnp.where(finite, upd, 0.0).astype(jnp.float32)
-            inner_state = jax.tree.map(
-                lambda a, b: jnp.where(finite, a, b), inner_state, state.inner_state[bi]
-            )
-            new_inner.append(inner_state)
-            # The barrier makes the state and the gathered params one computation:
-            # XLA may otherwise duplicate the add into two fusions that round
-            # differently (an FMA in one of them), and params drift off the master.
-            new_master.append(jax.lax.optimization_barrier(master + upd))
-            # Gather the new params in their own dtype (bf16: half the bytes).
-            out.append(new_master[-1].astype(buf.key.dtype))
-        gathered = layout.unflatten(bucket_all_gather(tuple(out), layout, axis_name=axes))
-        # `new - p` is exact whenever new and p are within a factor of 2 (Sterbenz),
-        # so `apply_updates` lands exactly on the gathered values, and params can
-        # never drift from the master. Done per leaf: flattening the params to
-        # subtract them on flat buffers made the whole step 1.6x slower (CPU).
-        updates = jax.tree.map(
-            lambda new, p: new.astype(jnp.float32) - p.astype(jnp.float32), gathered, params
-        )
-
-        new_state = DistributedOptimizerState(
-            master=tuple(new_master),
-            inner_state=tuple(new_inner),
-            loss_scale=update_loss_scale(loss_scale, state.loss_scale, finite),
-            metrics=next_metrics(state.metrics, grads, finite, grad_norm, num_zeros),
-        )
-        return updates, new_state
+        return apply_shards(cfg, layout, shards, state, params, grads, grad_norm, num_zeros, finite)
 
     tx = DistributedOptimizer(init_fn, update_fn)
     tx.__dict__["config"] = cfg
     return tx
+
+
+def apply_shards(
+    cfg: Plan,
+    layout: Layout,
+    shards: tuple[jax.Array, ...],
+    state: DistributedOptimizerState,
+    params: PyTree,
+    grads: Any,
+    grad_norm: jax.Array,
+    num_zeros: jax.Array,
+    finite: jax.Array,
+    unit_flags: jax.Array | None = None,
+) -> tuple[PyTree, DistributedOptimizerState]:
+    """The step after the reduction: clip, inner update on the shard, master, gather."""
+    if cfg.clip_grad_norm is not None:
+        # Same arithmetic as optax.clip_by_global_norm, so results match it.
+        keep = grad_norm < cfg.clip_grad_norm
+        shards = tuple(
+            jnp.where(keep, s, (s / grad_norm.astype(s.dtype)) * cfg.clip_grad_norm) for s in shards
+        )
+
+    new_master, new_inner, out = [], [], []
+    for bi, buf in enumerate(layout.buffers):
+        master = state.master[bi]
+        g = jnp.where(finite, shards[bi], 0.0).astype(jnp.float32)
+        upd, inner_state = cfg.inner_for(layout, bi).update(g, state.inner_state[bi], master)
+        upd = jnp.where(finite, upd, 0.0).astype(jnp.float32)
+        inner_state = jax.tree.map(
+            lambda a, b: jnp.where(finite, a, b), inner_state, state.inner_state[bi]
+        )
+        new_inner.append(inner_state)
+        # The barrier makes the state and the gathered params one computation:
+        # XLA may otherwise duplicate the add into two fusions that round
+        # differently (an FMA in one of them), and params drift off the master.
+        new_master.append(jax.lax.optimization_barrier(master + upd))
+        # Gather the new params in their own dtype (bf16: half the bytes).
+        out.append(new_master[-1].astype(buf.key.dtype))
+    gathered = layout.unflatten(bucket_all_gather(tuple(out), layout, axis_name=cfg.axes))
+    # `new - p` is exact whenever new and p are within a factor of 2 (Sterbenz),
+    # so `apply_updates` lands exactly on the gathered values, and params can
+    # never drift from the master. Done per leaf: flattening the params to
+    # subtract them on flat buffers made the whole step 1.6x slower (CPU).
+    updates = jax.tree.map(
+        lambda new, p: new.astype(jnp.float32) - p.astype(jnp.float32), gathered, params
+    )
+
+    new_state = DistributedOptimizerState(
+        master=tuple(new_master),
+        inner_state=tuple(new_inner),
+        loss_scale=update_loss_scale(cfg.loss_scale, state.loss_scale, finite),
+        metrics=next_metrics(state.metrics, grads, finite, grad_norm, num_zeros, unit_flags),
+    )
+    return updates, new_state

@@ -24,10 +24,12 @@ class StepMetrics(NamedTuple):
       nonfinite_devices: per param (in tree-leaf order), on the first step of the
         latest run of skipped steps: on how many devices its local gradient held
         NaN or Inf (all zero: the local gradients were finite and the overflow
-        came from the reduction or the loss scale).
+        came from the reduction or the loss scale). In deterministic mode
+        (:class:`jaxsync.Deterministic`): in how many *units*, so that the
+        metrics too are the same at any data-parallel size.
       first_nonfinite_device: per param, the lowest such device (its index in
-        ``mesh.devices.flat``), -1 where none. :func:`jaxsync.nonfinite_report`
-        turns both into a message naming params and devices.
+        ``mesh.devices.flat``; deterministic mode: the lowest unit), -1 where
+        none. :func:`jaxsync.nonfinite_report` turns both into a message naming params and devices.
     """
 
     grad_norm: jax.Array

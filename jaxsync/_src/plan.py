@@ -48,7 +48,9 @@ class Plan:
         check_elementwise: bool,
         rules: SyncRules | None = None,
         stacked: tuple[str, ...] = (),
+        deterministic: Any = None,
     ):
+        self.deterministic = deterministic
         self.rules = rules
         self.stacked = stacked
         self.inner = inner
