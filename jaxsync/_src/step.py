@@ -33,6 +33,7 @@ from jax.sharding import PartitionSpec as P
 from .axes import AxisName, mesh_axes_size, normalize_axes
 from .checks import check_bool, check_positive, check_rules
 from .data import shard_batch
+from .deterministic import Deterministic, check_deterministic
 from .finalize import SyncRules
 from .fsdp import fully_shard
 from .fsdp_gather import MixedPrecision
@@ -75,6 +76,7 @@ class TrainStep:
     policy: MixedPrecision | None
     reshard_after_forward: bool
     donate: bool
+    deterministic: Deterministic | None
     _plans: dict[Any, Plan] = dataclasses.field(default_factory=dict, repr=False)
 
     # ------------------------------------------------------------------ init
@@ -110,6 +112,7 @@ class TrainStep:
                 self.tx, axis_name=axes, bucket_size=self.bucket_size,
                 reduce_dtype=self.reduce_dtype, clip_grad_norm=self.clip_grad_norm,
                 loss_scale=self.loss_scale, rules=self.rules, stacked=self.stacked or None,
+                deterministic=self.deterministic,
             )  # fmt: skip
             opt_state = tx.sharded_init(params, mesh)
             opt_specs = tx.state_specs(params, mesh)
@@ -324,6 +327,7 @@ def train_step(
     policy: MixedPrecision | None = None,
     reshard_after_forward: bool = True,
     donate: bool = True,
+    deterministic: Deterministic | bool | None = None,
 ) -> TrainStep:
     """Builds a jitted data-parallel training step: DDP, ZeRO or FSDP.
 
@@ -362,6 +366,8 @@ def train_step(
       policy: FSDP :class:`jaxsync.MixedPrecision`.
       reshard_after_forward: FSDP: gather again in the backward (less memory).
       donate: donate the state to the step (its buffers are reused).
+      deterministic: a :class:`jaxsync.Deterministic` (``"ddp"``/``"zero"``): results
+        bitwise identical at every data-parallel size dividing its ``units``.
 
     Returns:
       A :class:`TrainStep`.
@@ -406,6 +412,19 @@ def train_step(
         )
     if policy is not None and mode != "fsdp":
         raise ValueError(f"`policy` is FSDP's mixed precision; mode={mode!r}. Drop `policy`.")
+    det = check_deterministic(deterministic)
+    if det is not None and (mode == "fsdp" or microbatches > 1 or stacked or rules is not None):
+        what = (
+            f"mode={mode!r}" if mode == "fsdp" else
+            f"microbatches={microbatches}" if microbatches > 1 else
+            "`stacked`" if stacked else "`rules`"
+        )  # fmt: skip
+        fix = (
+            "its units already run one after another on each device: raise "
+            "Deterministic(units=...) instead" if microbatches > 1 else
+            "use mode='ddp' or 'zero' without `stacked` and `rules`"
+        )  # fmt: skip
+        raise ValueError(f"`deterministic` does not support {what}; {fix}.")
     return TrainStep(
         loss_fn=loss_fn,
         tx=tx,
@@ -423,4 +442,5 @@ def train_step(
         policy=policy,
         reshard_after_forward=reshard_after_forward,
         donate=donate,
+        deterministic=det,
     )

@@ -75,7 +75,10 @@ def grads_of(cfg: Any, plan: Plan, state: TrainState, batch: Any, sync: Any) -> 
     loss = loss_of(cfg, plan, state)
     rules = None if sync is not None else cfg.rules
     if cfg.microbatches == 1:
-        vg = value_and_grad(loss, axis_name=cfg.axis_name, rules=rules, sync=sync, has_aux=True)
+        vg = value_and_grad(
+            loss, axis_name=cfg.axis_name, rules=rules, sync=sync, has_aux=True,
+            deterministic=cfg.deterministic,
+        )  # fmt: skip
         return vg(state.params, batch)
     check_microbatches(cfg.microbatches, batch)
     mbs = jax.tree.map(lambda x: x.reshape(cfg.microbatches, -1, *x.shape[1:]), batch)
@@ -110,10 +113,12 @@ def ddp_body(cfg: Any, plan: Plan, state: TrainState, batch: Any) -> tuple[Train
     if sync is None:
         grads = all_reduce_grads(
             local, axis_name=cfg.axis_name, bucket_size=cfg.bucket_size,
-            reduce_dtype=cfg.reduce_dtype, rules=cfg.rules,
+            reduce_dtype=cfg.reduce_dtype, rules=cfg.rules, deterministic=cfg.deterministic,
         )  # fmt: skip
     grads = unscale(grads, state.loss_scale.scale)
-    return finish(cfg, plan, state, grads, local, global_stats(grads), loss, rest)
+    # Deterministic: per-device flags would depend on the DP size; flag the sums.
+    flags = grads if cfg.deterministic is not None else local
+    return finish(cfg, plan, state, grads, flags, global_stats(grads), loss, rest)
 
 
 def fsdp_body(cfg: Any, plan: Plan, state: TrainState, batch: Any) -> tuple[TrainState, Any]:
@@ -190,6 +195,8 @@ def mean_loss(cfg: Any, loss: jax.Array, state: TrainState) -> jax.Array:
     """The loss averaged over the data axes, and over any other axis it varies
     over (a sequence-parallel loss computed piecewise over ``"tensor"``)."""
     loss = loss / state.loss_scale.scale.astype(loss.dtype)
+    if cfg.deterministic is not None:  # already the exact global mean, on every device
+        return jax.lax.pmax(loss, cfg.axis_name)
     extra = tuple(a for a in sorted(varying_axes(loss)) if a not in cfg.axis_name)
     return jax.lax.pmean(loss, cfg.axis_name + extra)
 
