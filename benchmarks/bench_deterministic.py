@@ -33,7 +33,7 @@ from functools import partial  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
-from bench_optimizer import init_params, loss_fn  # noqa: E402
+from bench_optimizer import collectives_cell, init_params, loss_fn  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 from rich.console import Console  # noqa: E402
@@ -153,11 +153,7 @@ def main() -> None:
         table.add_column(col, justify="left" if col == "variant" else "right")
     for r in rows:
         c = r["collectives"]
-        coll = ", ".join(
-            f"{k}{c[k].count}:{c[k].bytes / 2**20:.1f}"
-            for k in ("all-reduce", "reduce-scatter", "all-gather")
-            if c[k].count
-        )
+        coll = collectives_cell(c)
         total = sum(c[k].bytes for k in c) / 2**20
         table.add_row(
             r["name"],

@@ -96,6 +96,15 @@ def bench(name, step, args, make_args, steps):
     }
 
 
+def collectives_cell(c: dict) -> str:
+    """``"AR1:16.0, RS1:2.0"``: count and MiB per collective kind, for a table cell."""
+    return ", ".join(
+        f"{k[:2].upper()}{c[k].count}:{c[k].bytes / 2**20:.1f}"
+        for k in ("all-reduce", "reduce-scatter", "all-gather")
+        if c[k].count
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--width", type=int, default=1024)
@@ -251,12 +260,7 @@ def main() -> None:
     ):
         table.add_column(col, justify="left" if col == "variant" else "right")
     for r in rows:
-        c = r["collectives"]
-        coll = ", ".join(
-            f"{k[:2].upper()}{c[k].count}:{c[k].bytes / 2**20:.1f}"
-            for k in ("all-reduce", "reduce-scatter", "all-gather")
-            if c[k].count
-        )
+        coll = collectives_cell(r["collectives"])
         m = mem[r["name"]]
         table.add_row(
             r["name"],
