@@ -64,9 +64,10 @@ def plot(metrics_path: str, out: str | None = None) -> str:
         ax.plot(s, v, "o-", color="tab:orange", lw=1.8, ms=4, label=label)
     label = f"uniform over bytes (ln 256 = {UNIFORM:.2f})"
     ax.axhline(UNIFORM, color="gray", ls=":", lw=1, label=label)
-    ax.set_yscale("log")
-    ax.yaxis.set_major_formatter(ticker.FormatStrFormatter("%.1f"))
-    ax.yaxis.set_minor_formatter(ticker.FormatStrFormatter("%.1f"))
+    ax.set_yscale("log")  # early losses fall fast; the later gains still show
+    ax.yaxis.set_major_locator(ticker.FixedLocator([0.5, 0.75, 1, 1.25, 1.5, 2, 2.5, 3, 4, 5, 6]))
+    ax.yaxis.set_major_formatter(ticker.FormatStrFormatter("%g"))
+    ax.yaxis.set_minor_formatter(ticker.NullFormatter())
     ax.set_xlabel("step")
     ax.set_ylabel("cross-entropy loss (nats per byte, log scale)")
     ax.set_xlim(left=0)

@@ -1,5 +1,9 @@
 """Train a small GPT with jaxsync's distributed optimizer (or plain DDP).
 
+It learns Python's own standard library, byte by byte (text_data.py: real text
+that ships with every Python, no download), with whole files held out for the
+validation loss it logs every eval.every steps.
+
 One process (8 simulated CPU devices when there is no accelerator):
     python examples/train_gpt.py --config configs/tiny.yaml
 
@@ -16,7 +20,10 @@ Resume from the newest complete checkpoint of a run with --resume (the config
 must be the one the run was saved with, unless --allow-config-change). A fresh
 run refuses a run dir that already holds a run, unless --overwrite (which
 deletes its checkpoints and metrics). Metrics are appended to
-<run dir>/metrics.jsonl; only process 0 prints. The run stops with an error
+<run dir>/metrics.jsonl (train loss every log_every steps, val_loss every
+eval.every steps), the config and data in run.json, and the loss curves are
+plotted to loss.png at the end (plot_metrics.py re-makes it); only process 0
+prints and writes them. The run stops with an error
 after train.max_consecutive_skips steps in a row were skipped for non-finite
 gradients (it would otherwise go on without training).
 """
