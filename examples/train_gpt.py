@@ -70,7 +70,7 @@ STACK = "blocks"  # the scanned (stacked) layer group of gpt.GPT
 AXIS = "data"
 DEFAULTS = {
     "model": {
-        "seq_len": 64,
+        "seq_len": 128,
         "d_model": 128,
         "n_layers": 2,
         "n_heads": 4,
@@ -78,11 +78,11 @@ DEFAULTS = {
         "scan": True,
     },
     "train": {
-        "steps": 300,
-        "global_batch": 64,
+        "steps": 600,
+        "global_batch": 32,
         "microbatches": 1,
         "lr": 3e-3,
-        "warmup": 30,
+        "warmup": 50,
         "weight_decay": 0.1,
         "clip_grad_norm": 1.0,
         "optimizer": "zero",
@@ -92,7 +92,7 @@ DEFAULTS = {
     },
     "data": {"max_bytes": 4_000_000, "val_fraction": 0.1},
     "eval": {"every": 50, "batches": 8},
-    "checkpoint": {"every": 100, "keep": 3, "async": True},
+    "checkpoint": {"every": 200, "keep": 3, "async": True},
     "log_every": 25,
     "run_dir": "runs/tiny",
 }
@@ -186,10 +186,10 @@ def _check(cfg: dict, sources: dict[str, str]) -> None:
     if not isinstance(cfg["run_dir"], str) or not cfg["run_dir"]:
         fail("run_dir", "a directory name", cfg["run_dir"])
     t = cfg["train"]
-    if t["warmup"] > t["steps"]:
+    if t["warmup"] >= t["steps"]:  # the cosine decay after the warmup needs a step
         raise ConfigError(
             f"`train.warmup`={t['warmup']} ({sources.get('train.warmup', 'config')}) must be "
-            f"<= `train.steps`={t['steps']} ({sources.get('train.steps', 'config')}): the "
+            f"< `train.steps`={t['steps']} ({sources.get('train.steps', 'config')}): the "
             "warmup is part of the learning-rate schedule over all steps. Lower the warmup "
             "or raise the steps."
         )
