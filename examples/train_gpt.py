@@ -82,7 +82,7 @@ DEFAULTS = {
         "global_batch": 32,
         "microbatches": 1,
         "lr": 3e-3,
-        "warmup": 50,
+        "warmup": 30,
         "weight_decay": 0.1,
         "clip_grad_norm": 1.0,
         "optimizer": "zero",

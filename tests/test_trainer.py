@@ -51,6 +51,7 @@ def yaml_with(tmp_path, **sections):
             ["--steps", "20"],
             ["`train.warmup`=30", "`train.steps`=20 (--steps)", "Lower the warmup"],
         ),
+        ({"train": {"warmup": 12}}, [], ["`train.warmup`=12", "must be < `train.steps`=12"]),
         ({"checkpoint": {"every": 0}}, [], ["`checkpoint.every` must be an integer >= 1, got 0"]),
         ({"train": {"optimizer": "adam"}}, [], ["`train.optimizer` must be 'zero' or 'ddp'"]),
         ({"train": {"max_consecutive_skips": -1}}, [], ["`train.max_consecutive_skips`"]),
