@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: demo test lint bench bench-scan clean
+.PHONY: demo plot test lint bench bench-scan clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -14,6 +14,11 @@ $(STAMP): pyproject.toml
 
 demo: $(STAMP)
 	$(PY) examples/train_gpt.py --config configs/tiny.yaml --overwrite
+
+# Re-makes the loss plot of a run (the demo's by default): make plot METRICS=runs/ddp/metrics.jsonl
+METRICS ?= runs/tiny/metrics.jsonl
+plot: $(STAMP)
+	$(PY) examples/plot_metrics.py $(METRICS)
 
 test: $(STAMP)
 	$(PY) -m pytest -q

@@ -1,8 +1,4 @@
-"""A small character-level GPT in flax NNX, and the text it learns from.
-
-The corpus is generated (a deterministic toy grammar), so the example needs no
-download and every run, on any number of processes, sees the same data.
-"""
+"""A small character-level GPT in flax NNX (its data: text_data.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +7,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 import jaxsync
@@ -99,68 +94,6 @@ class GPT(nnx.Module):
 
         x, _ = jax.lax.scan(jax.checkpoint(body), x, blocks)
         return x
-
-
-_SUBJECTS = [
-    "the cat",
-    "a dog",
-    "the old sailor",
-    "my neighbour",
-    "the small robot",
-    "a tired student",
-    "the queen",
-    "every child",
-]
-_VERBS = ["sees", "likes", "paints", "follows", "finds", "builds", "remembers", "carries"]
-_OBJECTS = [
-    "the red boat",
-    "a quiet garden",
-    "the long road",
-    "a paper map",
-    "the bright moon",
-    "an empty house",
-    "the wooden box",
-    "a warm loaf",
-]
-_ENDS = [" today.", " at night.", " again.", " slowly.", " in the rain.", "."]
-
-
-def make_corpus(n_sentences: int = 6000, seed: int = 0) -> str:
-    """A deterministic toy corpus: short sentences from a tiny grammar."""
-    rng = np.random.default_rng(seed)
-    out = []
-    for _ in range(n_sentences):
-        s = (
-            f"{_SUBJECTS[rng.integers(len(_SUBJECTS))]} {_VERBS[rng.integers(len(_VERBS))]} "
-            f"{_OBJECTS[rng.integers(len(_OBJECTS))]}{_ENDS[rng.integers(len(_ENDS))]}"
-        )
-        out.append(s[0].upper() + s[1:])
-    return " ".join(out)
-
-
-class CharData:
-    """Character tokens and deterministic batches: batch ``step`` is a pure
-    function of (seed, step), so a resumed run sees exactly the data it would have."""
-
-    def __init__(self, text: str, seq_len: int, seed: int = 0):
-        chars = sorted(set(text))
-        self.vocab = {c: i for i, c in enumerate(chars)}
-        self.tokens = np.array([self.vocab[c] for c in text], dtype=np.int32)
-        self.seq_len = seq_len
-        self.seed = seed
-
-    @property
-    def vocab_size(self) -> int:
-        return len(self.vocab)
-
-    def batch(self, step: int, global_batch: int, rows: slice | None = None) -> np.ndarray:
-        """Rows ``rows`` of global batch ``step``: ``(rows, seq_len + 1)`` int32."""
-        rng = np.random.default_rng([self.seed, step])
-        starts = rng.integers(0, len(self.tokens) - self.seq_len - 1, size=global_batch)
-        if rows is not None:
-            starts = starts[rows]
-        idx = starts[:, None] + np.arange(self.seq_len + 1)[None, :]
-        return self.tokens[idx]
 
 
 def loss_fn(model: GPT, tokens: jax.Array, blocks: Any = None) -> jax.Array:

@@ -1,5 +1,9 @@
 """Train a small GPT with jaxsync's distributed optimizer (or plain DDP).
 
+It learns Python's own standard library, byte by byte (text_data.py: real text
+that ships with every Python, no download), with whole files held out for the
+validation loss it logs every eval.every steps.
+
 One process (8 simulated CPU devices when there is no accelerator):
     python examples/train_gpt.py --config configs/tiny.yaml
 
@@ -16,7 +20,10 @@ Resume from the newest complete checkpoint of a run with --resume (the config
 must be the one the run was saved with, unless --allow-config-change). A fresh
 run refuses a run dir that already holds a run, unless --overwrite (which
 deletes its checkpoints and metrics). Metrics are appended to
-<run dir>/metrics.jsonl; only process 0 prints. The run stops with an error
+<run dir>/metrics.jsonl (train loss every log_every steps, val_loss every
+eval.every steps), the config and data in run.json, and the loss curves are
+plotted to loss.png at the end (plot_metrics.py re-makes it); only process 0
+prints and writes them. The run stops with an error
 after train.max_consecutive_skips steps in a row were skipped for non-finite
 gradients (it would otherwise go on without training).
 """
@@ -54,6 +61,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn  
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import gpt  # noqa: E402
+import text_data  # noqa: E402
 
 import jaxsync  # noqa: E402
 
@@ -62,7 +70,7 @@ STACK = "blocks"  # the scanned (stacked) layer group of gpt.GPT
 AXIS = "data"
 DEFAULTS = {
     "model": {
-        "seq_len": 64,
+        "seq_len": 128,
         "d_model": 128,
         "n_layers": 2,
         "n_heads": 4,
@@ -70,8 +78,8 @@ DEFAULTS = {
         "scan": True,
     },
     "train": {
-        "steps": 300,
-        "global_batch": 64,
+        "steps": 600,
+        "global_batch": 32,
         "microbatches": 1,
         "lr": 3e-3,
         "warmup": 30,
@@ -82,7 +90,9 @@ DEFAULTS = {
         "seed": 0,
         "max_consecutive_skips": 50,
     },
-    "checkpoint": {"every": 100, "keep": 3, "async": True},
+    "data": {"max_bytes": 4_000_000, "val_fraction": 0.1},
+    "eval": {"every": 50, "batches": 8},
+    "checkpoint": {"every": 200, "keep": 3, "async": True},
     "log_every": 25,
     "run_dir": "runs/tiny",
 }
@@ -98,6 +108,8 @@ RESUMABLE_CHANGES = {
     "checkpoint.async",
     "train.bucket_size",
     "train.max_consecutive_skips",
+    "eval.every",
+    "eval.batches",
 }
 
 
@@ -158,6 +170,12 @@ def _check(cfg: dict, sources: dict[str, str]) -> None:
         integer("train.bucket_size", 1)
     if cfg["train"]["optimizer"] not in ("zero", "ddp"):
         fail("train.optimizer", "'zero' or 'ddp'", cfg["train"]["optimizer"])
+    integer("data.max_bytes", 1)
+    v = cfg["data"]["val_fraction"]
+    if isinstance(v, bool) or not isinstance(v, int | float) or not 0 < v < 1:
+        fail("data.val_fraction", "a number between 0 and 1 (the share held out)", v)
+    integer("eval.every", 1)
+    integer("eval.batches", 1)
     integer("checkpoint.every", 1)
     integer("checkpoint.keep", 1)
     if not isinstance(cfg["model"].get("scan", True), bool):
@@ -168,10 +186,10 @@ def _check(cfg: dict, sources: dict[str, str]) -> None:
     if not isinstance(cfg["run_dir"], str) or not cfg["run_dir"]:
         fail("run_dir", "a directory name", cfg["run_dir"])
     t = cfg["train"]
-    if t["warmup"] > t["steps"]:
+    if t["warmup"] >= t["steps"]:  # the cosine decay after the warmup needs a step
         raise ConfigError(
             f"`train.warmup`={t['warmup']} ({sources.get('train.warmup', 'config')}) must be "
-            f"<= `train.steps`={t['steps']} ({sources.get('train.steps', 'config')}): the "
+            f"< `train.steps`={t['steps']} ({sources.get('train.steps', 'config')}): the "
             "warmup is part of the learning-rate schedule over all steps. Lower the warmup "
             "or raise the steps."
         )
@@ -263,6 +281,9 @@ def prepare_run_dir(run_dir: str, *, resume: bool, overwrite: bool, lead: bool) 
         shutil.rmtree(ckpt_dir, ignore_errors=True)
         if old_metrics:
             os.remove(metrics)
+        for stale in ("loss.png", "run.json"):
+            if os.path.exists(os.path.join(run_dir, stale)):
+                os.remove(os.path.join(run_dir, stale))
     os.makedirs(run_dir, exist_ok=True)
     if jax.process_count() > 1:  # nobody writes before process 0 has cleaned up
         multihost_utils.sync_global_devices("train_gpt: run dir ready")
@@ -358,6 +379,7 @@ def main(argv: list[str] | None = None) -> dict:
         ap.error("--allow-config-change only applies to --resume.")
 
     cfg = load_config(args.config, args)  # before any JAX work: bad configs fail at once
+    data = load_data(cfg)
     info = jaxsync.initialize()
     lead = jax.process_index() == 0
     console = Console(quiet=not lead)
@@ -368,8 +390,11 @@ def main(argv: list[str] | None = None) -> dict:
         async_save=cfg["checkpoint"]["async"],
     ) as ckpt:
         if args.resume:
-            saved = ckpt.read_meta().get("config")
+            meta = ckpt.read_meta()
+            saved = meta.get("config")
             changes = config_changes(saved, cfg) if saved is not None else []
+            if meta.get("data") not in (None, corpus_id(data)):  # another Python's stdlib
+                changes.append(f"  data: saved {meta['data']}, now {corpus_id(data)}")
             if changes and not args.allow_config_change:
                 raise ConfigError(
                     RESUME_CHANGED.format(
@@ -380,16 +405,40 @@ def main(argv: list[str] | None = None) -> dict:
                 console.print(
                     "resuming with a changed config:\n" + "\n".join(changes), markup=False
                 )
-        return train(cfg, args, info, ckpt, console)
+        return train(cfg, args, info, ckpt, console, data)
 
 
-def train(cfg: dict, args: argparse.Namespace, info, ckpt, console: Console) -> dict:
+def load_data(cfg: dict) -> text_data.StdlibText:
+    """The stdlib corpus the config asks for; a config error if a split is too small."""
+    try:
+        return text_data.StdlibText(
+            cfg["model"]["seq_len"],
+            cfg["train"]["seed"],
+            max_bytes=cfg["data"]["max_bytes"],
+            val_fraction=cfg["data"]["val_fraction"],
+        )
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def corpus_id(data: text_data.StdlibText) -> dict:
+    """What identifies the training text across machines (not where it was read)."""
+    return {k: v for k, v in data.describe().items() if k != "root"}
+
+
+def train(
+    cfg: dict,
+    args: argparse.Namespace,
+    info,
+    ckpt,
+    console: Console,
+    data: text_data.StdlibText,
+) -> dict:
     lead = jax.process_index() == 0
     mesh = jax.make_mesh((jax.device_count(),), (AXIS,))
     t = cfg["train"]
     run_dir = cfg["run_dir"]
 
-    data = gpt.CharData(gpt.make_corpus(seed=t["seed"]), cfg["model"]["seq_len"], t["seed"])
     model_cfg = gpt.GPTConfig(vocab_size=data.vocab_size, **cfg["model"])
     model = gpt.GPT(model_cfg, nnx.Rngs(t["seed"]))
     graphdef, state = nnx.split(model, nnx.Param)
@@ -443,6 +492,13 @@ def train(cfg: dict, args: argparse.Namespace, info, ckpt, console: Console) -> 
         loss = jax.lax.pmean(loss, AXIS)
         return optax.apply_updates(params, updates), opt_state, loss, skipped
 
+    @jax.jit
+    @partial(jax.shard_map, mesh=mesh, in_specs=(P(), P(None, AXIS)), out_specs=P())
+    def eval_step(params, batches):
+        """Mean loss over the fixed validation batches ``(n, batch, seq_len + 1)``."""
+        losses = jax.lax.map(lambda tokens: loss_fn(params, tokens), batches)
+        return jax.lax.pmean(jnp.mean(losses), AXIS)
+
     start = 0
     if args.resume:
         r = ckpt.restore(
@@ -461,13 +517,43 @@ def train(cfg: dict, args: argparse.Namespace, info, ckpt, console: Console) -> 
         f"process(es) [{jax.default_backend()}], optimizer={t['optimizer']}, "
         f"global batch {t['global_batch']} x {model_cfg.seq_len} tokens"
     )
+    about = data.describe()
+    console.print(
+        f"data: {about['corpus']}, {about['train_bytes']:,} bytes in {about['train_files']} "
+        f"files to train on, {about['val_bytes']:,} bytes in {about['val_files']} files "
+        f"held out; val loss every {cfg['eval']['every']} steps on "
+        f"{cfg['eval']['batches']} x {t['global_batch']} sequences",
+        highlight=False,
+    )
     if zero and lead:
         console.print(tx.layout(params, mesh).summary())
 
     per_proc = t["global_batch"] // jax.process_count()
     rows = slice(jax.process_index() * per_proc, (jax.process_index() + 1) * per_proc)
+    val_batches = jaxsync.shard_batch(
+        data.val_batches(cfg["eval"]["batches"], t["global_batch"], rows),
+        mesh,
+        axis_name=AXIS,
+        batch_axis=1,
+    )
     tokens_per_step = t["global_batch"] * model_cfg.seq_len
     metrics_path = os.path.join(run_dir, "metrics.jsonl")
+    if lead:
+        with open(os.path.join(run_dir, "run.json"), "w") as f:
+            json.dump(
+                {
+                    "config": cfg,
+                    "data": about,
+                    "params": int(sum(p.size for p in jax.tree.leaves(params))),
+                    "devices": jax.device_count(),
+                    "processes": jax.process_count(),
+                    "backend": jax.default_backend(),
+                    "python": sys.version.split()[0],
+                    "jax": jax.__version__,
+                },
+                f,
+                indent=1,
+            )
     loss = None
     history = []
     skips, limit = 0, t["max_consecutive_skips"]
@@ -491,13 +577,15 @@ def train(cfg: dict, args: argparse.Namespace, info, ckpt, console: Console) -> 
     progress = Progress(
         TextColumn("[bold]step {task.completed}/{task.total}"),
         BarColumn(),
-        TextColumn("loss {task.fields[loss]}  {task.fields[tps]} tok/s"),
+        TextColumn("loss {task.fields[loss]}  val {task.fields[val]}  {task.fields[tps]} tok/s"),
         TimeRemainingColumn(),
         console=console,
         disable=not lead,
     )
     with progress:
-        task = progress.add_task("train", total=t["steps"], completed=start, loss="-", tps="-")
+        task = progress.add_task(
+            "train", total=t["steps"], completed=start, loss="-", val="-", tps="-"
+        )
         tick, last_logged = time.perf_counter(), start
         previous = None  # the last step's skip flag, read one step late: no wait on the device
         for step in range(start, t["steps"]):
@@ -510,17 +598,20 @@ def train(cfg: dict, args: argparse.Namespace, info, ckpt, console: Console) -> 
             if previous is not None:
                 count_skip(*previous)
             previous = (done, skipped, loss)
-            if done % cfg["log_every"] == 0 or done == t["steps"]:
+            # and after step 1: where training starts from (ln 256 for a uniform guess)
+            evaluate = done % cfg["eval"]["every"] == 0 or done in (1, t["steps"])
+            if evaluate or done % cfg["log_every"] == 0:
                 loss_v = float(loss)
                 now = time.perf_counter()
                 tps = tokens_per_step * (done - last_logged) / (now - tick)
-                tick, last_logged = now, done
                 record = {
                     "step": done,
                     "loss": loss_v,
                     "tokens_per_s": tps,
                     "lr": float(schedule(step)),
                 }
+                if evaluate:
+                    record["val_loss"] = float(eval_step(params, val_batches))
                 if zero:
                     record["grad_norm"] = float(opt_state.metrics.grad_norm)
                     record["skipped_steps"] = int(opt_state.metrics.skipped_steps)
@@ -528,9 +619,17 @@ def train(cfg: dict, args: argparse.Namespace, info, ckpt, console: Console) -> 
                 if lead:
                     with open(metrics_path, "a") as f:
                         f.write(json.dumps(record) + "\n")
+                val = f"{record['val_loss']:.3f}" if evaluate else None
                 progress.update(task, completed=done, loss=f"{loss_v:.3f}", tps=f"{tps:,.0f}")
+                if val:
+                    progress.update(task, val=val)
                 if not console.is_terminal:
-                    console.print(f"step {done}: loss {loss_v:.4f}, {tps:,.0f} tok/s")
+                    console.print(
+                        f"step {done}: loss {loss_v:.4f}"
+                        + (f", val_loss {val}" if val else "")
+                        + f", {tps:,.0f} tok/s"
+                    )
+                tick, last_logged = time.perf_counter(), done  # throughput leaves out eval
             else:
                 progress.update(task, completed=done)
             if done % cfg["checkpoint"]["every"] == 0 or done == t["steps"]:
@@ -540,7 +639,7 @@ def train(cfg: dict, args: argparse.Namespace, info, ckpt, console: Console) -> 
                     opt_state=opt_state,
                     tx=tx if zero else None,
                     mesh=mesh,
-                    meta={"data_position": done, "config": cfg},
+                    meta={"data_position": done, "config": cfg, "data": corpus_id(data)},
                 )
         if previous is not None:
             count_skip(*previous)
@@ -551,12 +650,26 @@ def train(cfg: dict, args: argparse.Namespace, info, ckpt, console: Console) -> 
             for p, x in jax.tree_util.tree_flatten_with_path(params)[0]
         }
         np.savez(args.dump_params, **flat)
+    plot = write_plot(metrics_path, console) if lead and history else None
     if history:
+        vals = [r["val_loss"] for r in history if "val_loss" in r]
         console.print(
-            f"done: loss {history[0]['loss']:.3f} -> {history[-1]['loss']:.3f}; "
-            f"metrics in {metrics_path}"
+            f"done: loss {history[0]['loss']:.3f} -> {history[-1]['loss']:.3f}, val_loss "
+            f"{vals[0]:.3f} -> {vals[-1]:.3f}; metrics in {metrics_path}"
+            + (f", plot in {plot}" if plot else ""),
+            highlight=False,
         )
-    return {"params": params, "history": history}
+    return {"params": params, "history": history, "plot": plot}
+
+
+def write_plot(metrics_path: str, console: Console) -> str | None:
+    """loss.png next to the metrics; a note instead if matplotlib is not installed."""
+    try:
+        import plot_metrics
+    except ImportError as e:  # matplotlib comes with jaxsync[examples]
+        console.print(f"no plot: {e} (pip install 'jaxsync[examples]')", markup=False)
+        return None
+    return plot_metrics.plot(metrics_path)
 
 
 if __name__ == "__main__":

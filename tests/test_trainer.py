@@ -1,20 +1,26 @@
 """The example trainer refuses what would train silently wrong: bad configs, a
 fresh run over an old one, a resume with another config, and a run whose every
-step is skipped. Config errors are raised before JAX does any work."""
+step is skipped. Config errors are raised before JAX does any work. Its data
+(Python's stdlib sources) splits into disjoint train and validation files, and
+its batches do not depend on how many devices or processes share them."""
 
 import argparse
 import json
 import os
 import sys
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 import yaml
+from jax.sharding import Mesh
 
 import jaxsync
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
+import text_data  # noqa: E402
 import train_gpt  # noqa: E402
 
 CONFIG = os.path.join(ROOT, "tests", "data", "test_gpt.yaml")
@@ -45,10 +51,14 @@ def yaml_with(tmp_path, **sections):
             ["--steps", "20"],
             ["`train.warmup`=30", "`train.steps`=20 (--steps)", "Lower the warmup"],
         ),
+        ({"train": {"warmup": 12}}, [], ["`train.warmup`=12", "must be < `train.steps`=12"]),
         ({"checkpoint": {"every": 0}}, [], ["`checkpoint.every` must be an integer >= 1, got 0"]),
         ({"train": {"optimizer": "adam"}}, [], ["`train.optimizer` must be 'zero' or 'ddp'"]),
         ({"train": {"max_consecutive_skips": -1}}, [], ["`train.max_consecutive_skips`"]),
         ({"model": {"scan": "no"}}, [], ["`model.scan` must be true (scanned blocks) or false"]),
+        ({"data": {"val_fraction": 1.0}}, [], ["`data.val_fraction` must be a number between"]),
+        ({"eval": {"every": 0}}, [], ["`eval.every` must be an integer >= 1, got 0"]),
+        ({"data": {"max_bytes": 100}}, [], ["train split holds 0 bytes", "`data.max_bytes`"]),
     ],
 )
 def test_bad_config_fails_before_any_work(tmp_path, sections, argv, words):
@@ -71,7 +81,7 @@ def test_fresh_run_over_an_old_one_is_refused(tmp_path):
     assert (run / "metrics.jsonl").exists()
 
 
-def _saved_run(run, cfg_path, step=4):
+def _saved_run(run, cfg_path, step=4, **meta):
     """A checkpoint written as the trainer writes it, of a run with ``cfg_path``."""
     ns = argparse.Namespace(steps=None, run_dir=str(run), checkpoint_every=None)
     saved = train_gpt.load_config(cfg_path, ns)
@@ -80,7 +90,7 @@ def _saved_run(run, cfg_path, step=4):
             step,
             params={"w": jnp.zeros(3)},
             opt_state={},
-            meta={"data_position": step, "config": saved},
+            meta={"data_position": step, "config": saved, **meta},
         )
 
 
@@ -101,6 +111,13 @@ def test_resume_with_another_config_is_refused(tmp_path):
         train_gpt.main([*argv, "--allow-config-change"])
 
 
+def test_resume_on_another_pythons_stdlib_is_refused(tmp_path):
+    run = tmp_path / "run"
+    _saved_run(run, CONFIG, data={"corpus": "Python 3.99.0 standard library", "train_bytes": 1})
+    with pytest.raises(train_gpt.ConfigError, match=r"data: saved \{'corpus': 'Python 3.99.0"):
+        train_gpt.main(["--config", CONFIG, "--run-dir", str(run), "--resume"])
+
+
 def test_where_and_how_often_a_run_writes_may_change_on_resume():
     ns = argparse.Namespace(steps=None, run_dir="a", checkpoint_every=None)
     saved = train_gpt.load_config(CONFIG, ns)
@@ -119,11 +136,54 @@ def test_overwrite_starts_over(tmp_path):
     (run / "metrics.jsonl").write_text('{"step": 100, "loss": 9.0}\n')
     cfg = yaml_with(tmp_path, checkpoint={"every": 2}, log_every=2)
     out = train_gpt.main(["--config", cfg, "--run-dir", str(run), "--steps", "4", "--overwrite"])
-    assert [r["step"] for r in out["history"]] == [2, 4]
+    assert [r["step"] for r in out["history"]] == [1, 2, 4]
     lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in lines] == [2, 4]
+    assert [r["step"] for r in lines] == [1, 2, 4]
     # before: the old step 100 made orbax skip every new save without a word
     assert jaxsync.Checkpointer(run / "checkpoints").all_steps() == [2, 4]
+    # the validation loss, after step 1 and the last step (eval.every is 50), goes down
+    val = {r["step"]: r["val_loss"] for r in lines if "val_loss" in r}
+    assert sorted(val) == [1, 4] and val[4] < val[1] - 0.1, val
+    assert json.loads((run / "run.json").read_text())["data"]["train_bytes"] > 100_000
+    mpl_image = pytest.importorskip("matplotlib.image")
+    assert out["plot"] == str(run / "loss.png")
+    assert (run / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    h, w, _ = mpl_image.imread(out["plot"]).shape
+    assert h > 300 and w > 500
+
+
+def test_stdlib_split_is_disjoint_and_deterministic():
+    a = text_data.StdlibText(16, max_bytes=600_000, val_fraction=0.1)
+    b = text_data.StdlibText(16, max_bytes=600_000, val_fraction=0.1)
+    assert a.files == b.files
+    np.testing.assert_array_equal(a.train, b.train)
+    np.testing.assert_array_equal(a.val, b.val)
+    train, val = set(a.files["train"]), set(a.files["val"])
+    assert train and val and not train & val  # whole files: no held-out text is trained on
+    assert sorted(train | val) == text_data.stdlib_files(max_bytes=600_000)
+    assert not any(f.startswith(("test/", "site-packages/")) for f in train | val)
+    assert 0.1 <= len(a.val) / (len(a.train) + len(a.val)) < 0.3
+    assert len(a.train) + len(a.val) <= 600_000 + len(train | val)  # + separators
+
+
+def test_batches_are_the_same_on_any_number_of_processes():
+    data = text_data.StdlibText(16, seed=3, max_bytes=300_000)
+    full = data.batch(7, 16)
+    assert full.shape == (16, 17) and full.dtype == np.int32
+    for nproc in (2, 4, 8):  # each process draws the global batch and keeps its rows
+        rows = 16 // nproc
+        parts = [data.batch(7, 16, slice(i * rows, (i + 1) * rows)) for i in range(nproc)]
+        np.testing.assert_array_equal(np.concatenate(parts), full)
+        vparts = [data.val_batches(3, 16, slice(i * rows, (i + 1) * rows)) for i in range(nproc)]
+        np.testing.assert_array_equal(np.concatenate(vparts, axis=1), data.val_batches(3, 16))
+    for devices in (8, 4, 1):  # sharded over any mesh, the global batch is the same
+        mesh = Mesh(np.array(jax.devices()[:devices]), ("data",))
+        sharded = jaxsync.shard_batch(full, mesh, axis_name="data")
+        np.testing.assert_array_equal(np.asarray(sharded), full)
+    assert not np.array_equal(data.batch(8, 16), full)
+    other_seed = text_data.StdlibText(16, seed=4, max_bytes=300_000)
+    assert not np.array_equal(other_seed.batch(7, 16), full)
+    assert bytes(full[0].astype(np.uint8)) in bytes(data.train)  # a window of the text
 
 
 def test_a_run_that_skips_every_step_stops(tmp_path, monkeypatch):

@@ -1,0 +1,87 @@
+"""Plot training and validation loss against step from a trainer's metrics.jsonl.
+
+    python examples/plot_metrics.py runs/tiny/metrics.jsonl            # -> runs/tiny/loss.png
+    python examples/plot_metrics.py runs/tiny/metrics.jsonl -o out.png
+
+train_gpt.py calls ``plot`` at the end of a run; this script re-makes the plot
+from any metrics file (of a finished run, or of one still going). The title
+says what was trained, from the run.json next to the metrics when there is one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+
+from matplotlib import ticker
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure  # no pyplot: Agg only, no GUI, no global state
+
+UNIFORM = math.log(256)  # the loss of a uniform guess over bytes
+
+
+def read_metrics(path: str) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _title(run_json: str) -> str:
+    if not os.path.exists(run_json):
+        return "training and validation loss"
+    with open(run_json) as f:
+        run = json.load(f)
+    data, m = run.get("data", {}), run.get("config", {}).get("model", {})
+    what = f"{run.get('params', 0) / 1e6:.2f}M-param byte-level GPT"
+    if m:
+        what += f" ({m.get('n_layers')} layers, d={m.get('d_model')}, seq {m.get('seq_len')})"
+    if not data:
+        return what
+    return (
+        f"{what}\non {data['corpus']}: {data['train_bytes'] / 1e6:.1f} MB train, "
+        f"{data['val_bytes'] / 1e6:.2f} MB held-out files"
+    )
+
+
+def plot(metrics_path: str, out: str | None = None) -> str:
+    """Writes the loss curves of ``metrics_path`` to ``out`` (default: loss.png
+    beside it) and returns its path."""
+    records = read_metrics(metrics_path)
+    out = out or os.path.join(os.path.dirname(metrics_path) or ".", "loss.png")
+    train = [(r["step"], r["loss"]) for r in records if "loss" in r]
+    val = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
+
+    fig = Figure(figsize=(7, 4.5), dpi=120, layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    if train:
+        s, v = zip(*train, strict=True)
+        ax.plot(s, v, color="tab:blue", lw=1.2, alpha=0.8, label=f"train (last {v[-1]:.3f})")
+    if val:
+        s, v = zip(*val, strict=True)
+        label = f"validation (last {v[-1]:.3f})"
+        ax.plot(s, v, "o-", color="tab:orange", lw=1.8, ms=4, label=label)
+    label = f"uniform over bytes (ln 256 = {UNIFORM:.2f})"
+    ax.axhline(UNIFORM, color="gray", ls=":", lw=1, label=label)
+    ax.set_yscale("log")  # early losses fall fast; the later gains still show
+    ax.yaxis.set_major_locator(ticker.FixedLocator([0.5, 0.75, 1, 1.25, 1.5, 2, 2.5, 3, 4, 5, 6]))
+    ax.yaxis.set_major_formatter(ticker.FormatStrFormatter("%g"))
+    ax.yaxis.set_minor_formatter(ticker.NullFormatter())
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy loss (nats per byte, log scale)")
+    ax.set_xlim(left=0)
+    ax.set_ylim(top=UNIFORM * 1.2)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(loc="center right")
+    ax.set_title(_title(os.path.join(os.path.dirname(metrics_path), "run.json")), fontsize=10)
+    fig.savefig(out)
+    return out
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("metrics", nargs="?", default="runs/tiny/metrics.jsonl")
+    ap.add_argument("-o", "--out", default=None, help="PNG to write (default: loss.png beside)")
+    args = ap.parse_args()
+    print(plot(args.metrics, args.out))
