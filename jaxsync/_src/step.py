@@ -20,7 +20,7 @@ and loss scaling (the distributed optimizer's arithmetic).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -77,6 +77,7 @@ class TrainStep:
     reshard_after_forward: bool
     donate: bool
     deterministic: Deterministic | None
+    labels: Any
     _plans: dict[Any, Plan] = dataclasses.field(default_factory=dict, repr=False)
 
     # ------------------------------------------------------------------ init
@@ -112,7 +113,7 @@ class TrainStep:
                 self.tx, axis_name=axes, bucket_size=self.bucket_size,
                 reduce_dtype=self.reduce_dtype, clip_grad_norm=self.clip_grad_norm,
                 loss_scale=self.loss_scale, rules=self.rules, stacked=self.stacked or None,
-                deterministic=self.deterministic,
+                deterministic=self.deterministic, labels=self.labels,
             )  # fmt: skip
             opt_state = tx.sharded_init(params, mesh)
             opt_specs = tx.state_specs(params, mesh)
@@ -328,6 +329,7 @@ def train_step(
     reshard_after_forward: bool = True,
     donate: bool = True,
     deterministic: Deterministic | bool | None = None,
+    labels: Any = None,
 ) -> TrainStep:
     """Builds a jitted data-parallel training step: DDP, ZeRO or FSDP.
 
@@ -368,6 +370,10 @@ def train_step(
       donate: donate the state to the step (its buffers are reused).
       deterministic: a :class:`jaxsync.Deterministic` (``"ddp"``/``"zero"``): results
         bitwise identical at every data-parallel size dividing its ``units``.
+      labels: per-param labels (a pytree of strings shaped like the params, or a
+        function of the params returning one) when ``tx`` is a mapping ``label ->
+        optax optimizer`` (``"ddp"``/``"zero"``): e.g. weight decay on matrices only,
+        without ``adamw(mask=...)``, which ZeRO cannot run on flat shards.
 
     Returns:
       A :class:`TrainStep`.
@@ -385,8 +391,7 @@ def train_step(
         )
     if not callable(loss_fn):
         raise TypeError(f"`loss_fn` must be callable as loss_fn(params, batch), got {loss_fn!r}.")
-    if not hasattr(tx, "init") or not hasattr(tx, "update"):
-        raise TypeError(f"`tx` must be an optax GradientTransformation, got {tx!r}.")
+    _check_tx(tx, labels, mode)
     if not isinstance(mesh, Mesh):
         raise TypeError(f"`mesh` must be a jax.sharding.Mesh (jax.make_mesh), got {mesh!r}.")
     axes = normalize_axes(axis_name)
@@ -425,6 +430,9 @@ def train_step(
             "use mode='ddp' or 'zero' without `stacked` and `rules`"
         )  # fmt: skip
         raise ValueError(f"`deterministic` does not support {what}; {fix}.")
+    zero_labels = labels if mode == "zero" else None
+    if labels is not None and mode == "ddp":  # a replicated optimizer: optax's own way
+        tx = optax.multi_transform(dict(tx), labels)
     return TrainStep(
         loss_fn=loss_fn,
         tx=tx,
@@ -443,4 +451,37 @@ def train_step(
         reshard_after_forward=reshard_after_forward,
         donate=donate,
         deterministic=det,
+        labels=zero_labels,
     )
+
+
+def _is_tx(tx: Any) -> bool:
+    return hasattr(tx, "init") and hasattr(tx, "update")
+
+
+def _check_tx(tx: Any, labels: Any, mode: str) -> None:
+    """``tx`` is one optax optimizer, or a mapping of them with ``labels``."""
+    if labels is None:
+        if isinstance(tx, Mapping):
+            raise ValueError(
+                f"`tx` is a mapping of label -> optimizer ({sorted(tx)}); pass `labels` (a "
+                "pytree of those labels shaped like the params, or a function of the params "
+                "returning one)."
+            )
+        if not _is_tx(tx):
+            raise TypeError(f"`tx` must be an optax GradientTransformation, got {tx!r}.")
+        return
+    if mode == "fsdp":
+        raise ValueError(
+            "`labels` are for mode='ddp' or 'zero'; FSDP keeps one optimizer over its flat "
+            "shards. Drop `labels`, or use mode='zero'."
+        )
+    bad = (
+        [f"{k!r}: {type(v).__name__}" for k, v in tx.items() if not _is_tx(v)]
+        if isinstance(tx, Mapping) else [type(tx).__name__]
+    )  # fmt: skip
+    if bad:
+        raise TypeError(
+            "with `labels`, `tx` must be a mapping of label -> optax GradientTransformation; "
+            f"got {', '.join(bad)}."
+        )
