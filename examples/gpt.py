@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -68,36 +67,20 @@ class GPT(nnx.Module):
             self.blocks = nnx.List([Block(cfg, rngs) for _ in range(cfg.n_layers)])
         self.ln_f = nnx.LayerNorm(cfg.d_model, dtype=dt, param_dtype=dt, rngs=rngs)
 
-    def __call__(self, tokens: jax.Array, blocks: Any = None) -> jax.Array:
-        """Logits; ``blocks`` overrides the stacked blocks' params (a pure dict, or
-        jaxsync's view of them under in-loop sync)."""
+    def __call__(self, tokens: jax.Array) -> jax.Array:
         t = tokens.shape[-1]
         x = self.embed(tokens) + self.pos[...][:t]
         mask = nnx.make_causal_mask(tokens)
-        if self.cfg.scan:
-            x = self._scan_blocks(x, mask, blocks)
+        if self.cfg.scan:  # lax.scan + remat + jaxsync.tap, written once by jaxsync
+            x = jaxsync.scan_layers(self.blocks, lambda block, h: block(h, mask), x)
         else:
             for block in self.blocks:
                 x = block(x, mask)
         return self.embed.attend(self.ln_f(x)).astype(jnp.float32)
 
-    def _scan_blocks(self, x: jax.Array, mask: jax.Array, blocks: Any) -> jax.Array:
-        block_def, stacked = nnx.split(self.blocks)
-        if blocks is None:
-            blocks = nnx.to_pure_dict(stacked)
 
-        def body(x: jax.Array, layer: Any) -> tuple[jax.Array, None]:
-            layer = jaxsync.tap(layer)  # identity unless jaxsync syncs in the loop
-            state = jax.tree.map(lambda v: v, stacked)
-            nnx.replace_by_pure_dict(state, layer)
-            return nnx.merge(block_def, state)(x, mask), None
-
-        x, _ = jax.lax.scan(jax.checkpoint(body), x, blocks)
-        return x
-
-
-def loss_fn(model: GPT, tokens: jax.Array, blocks: Any = None) -> jax.Array:
-    logits = model(tokens[:, :-1], blocks)
+def loss_fn(model: GPT, tokens: jax.Array) -> jax.Array:
+    logits = model(tokens[:, :-1])
     targets = tokens[:, 1:]
     logp = jax.nn.log_softmax(logits, axis=-1)
     return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))

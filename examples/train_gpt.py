@@ -54,7 +54,6 @@ import optax  # noqa: E402
 import yaml  # noqa: E402
 from flax import nnx  # noqa: E402
 from jax.experimental import multihost_utils  # noqa: E402
-from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn  # noqa: E402
@@ -289,50 +288,39 @@ def prepare_run_dir(run_dir: str, *, resume: bool, overwrite: bool, lead: bool) 
         multihost_utils.sync_global_devices("train_gpt: run dir ready")
 
 
-def build_optimizer(cfg: dict, params) -> tuple:
-    """(tx, sync for value_and_grad, lr schedule). With scanned blocks the gradients
-    are reduced inside the backward scan (``sync``); otherwise after it."""
+def build_step(cfg: dict, mesh) -> tuple:
+    """(jaxsync.train_step, lr schedule). AdamW on matrices, Adam on the rest
+    (``labels``); with scanned blocks each layer's gradient is reduced inside the
+    backward scan (``stacked``), otherwise after it."""
     t = cfg["train"]
+    if t["optimizer"] not in ("zero", "ddp"):
+        raise ConfigError(f"`train.optimizer` must be 'zero' or 'ddp', got {t['optimizer']!r}.")
     stacked = STACK if cfg["model"].get("scan", True) else None
     schedule = optax.warmup_cosine_decay_schedule(0.0, t["lr"], t["warmup"], t["steps"])
 
-    def label(path, p):  # weight decay on matrices; a stacked leaf has one more axis
-        ndim = p.ndim - (jaxsync.param_name(path).startswith(STACK + ".") and stacked is not None)
-        return "decay" if ndim > 1 else "no_decay"
+    def labels(params):  # weight decay on matrices; a stacked leaf has one more axis
+        def one(path, p):
+            layered = stacked is not None and jaxsync.param_name(path).startswith(STACK + ".")
+            return "decay" if p.ndim - layered > 1 else "no_decay"
 
-    labels = jax.tree_util.tree_map_with_path(label, params)
-    if t["optimizer"] == "zero":
-        tx = jaxsync.distributed_optimizer(
-            {
-                "decay": optax.adamw(schedule, weight_decay=t["weight_decay"]),
-                "no_decay": optax.adam(schedule),
-            },
-            axis_name=AXIS,
-            labels=labels,
-            clip_grad_norm=t["clip_grad_norm"],
-            bucket_size=t["bucket_size"],
-            stacked=stacked,
-        )
-        return tx, (tx if stacked else None), schedule
-    if t["optimizer"] == "ddp":
-        sync = jaxsync.DataParallel(AXIS, bucket_size=t["bucket_size"], stacked=stacked or ())
-        tx = optax.chain(
-            *(
-                ()
-                if stacked
-                else (jaxsync.sync_grads(axis_name=AXIS, bucket_size=t["bucket_size"]),)
-            ),
-            optax.clip_by_global_norm(t["clip_grad_norm"]),
-            optax.multi_transform(
-                {
-                    "decay": optax.adamw(schedule, weight_decay=t["weight_decay"]),
-                    "no_decay": optax.adam(schedule),
-                },
-                labels,
-            ),
-        )
-        return tx, (sync if stacked else None), schedule
-    raise ConfigError(f"`train.optimizer` must be 'zero' or 'ddp', got {t['optimizer']!r}.")
+        return jax.tree_util.tree_map_with_path(one, params)
+
+    step = jaxsync.train_step(
+        gpt.loss_fn,
+        {
+            "decay": optax.adamw(schedule, weight_decay=t["weight_decay"]),
+            "no_decay": optax.adam(schedule),
+        },
+        mesh,
+        mode=t["optimizer"],
+        axis_name=AXIS,
+        labels=labels,
+        microbatches=t["microbatches"],
+        clip_grad_norm=t["clip_grad_norm"],
+        bucket_size=t["bucket_size"],
+        stacked=stacked,
+    )
+    return step, schedule
 
 
 RESUME_CHANGED = (
@@ -441,19 +429,7 @@ def train(
 
     model_cfg = gpt.GPTConfig(vocab_size=data.vocab_size, **cfg["model"])
     model = gpt.GPT(model_cfg, nnx.Rngs(t["seed"]))
-    graphdef, state = nnx.split(model, nnx.Param)
-    params = jax.device_put(nnx.to_pure_dict(state), NamedSharding(mesh, P()))
-    abstract_state = jax.tree.map(lambda x: x, state)
-
-    def loss_fn(params, tokens):
-        # Under in-loop sync the stacked blocks arrive as jaxsync's view, which the
-        # scanned block body taps; the module itself is merged from plain arrays.
-        blocks = params.get(STACK) if model_cfg.scan else None
-        if isinstance(blocks, jaxsync.LayerStack):
-            params = {**params, STACK: blocks.params}
-        st = jax.tree.map(lambda x: x, abstract_state)
-        nnx.replace_by_pure_dict(st, params)
-        return gpt.loss_fn(nnx.merge(graphdef, st), tokens, blocks)
+    graphdef, abstract = nnx.split(model, nnx.Param)
 
     micro = t["microbatches"]
     if t["global_batch"] % (micro * jax.device_count()):
@@ -462,57 +438,41 @@ def train(
             f"(`train.microbatches`) over {jax.device_count()} devices: make it a multiple "
             f"of {micro * jax.device_count()}."
         )
-    tx, sync, schedule = build_optimizer(cfg, params)
+    # The whole step (shard_map, specs, donation, batch placement, the NNX split
+    # and merge) is jaxsync.train_step's; the state is global and sharded.
+    train_step, schedule = build_step(cfg, mesh)
+    state = train_step.init(model)
+    tx = train_step.optimizer(state)
     zero = t["optimizer"] == "zero"
-    if zero:
-        opt_state = tx.sharded_init(params, mesh)
-        specs = tx.state_specs(params, mesh)
-    else:
-        opt_state = jax.device_put(tx.init(params), NamedSharding(mesh, P()))
-        specs = jax.tree.map(lambda _: P(), opt_state)
-    batch_spec = P(None, AXIS) if micro > 1 else P(AXIS)
-
-    @partial(jax.jit, donate_argnums=(0, 1))
-    @partial(
-        jax.shard_map,
-        mesh=mesh,
-        in_specs=(P(), specs, batch_spec),
-        out_specs=(P(), specs, P(), P()),
-    )
-    def train_step(params, opt_state, tokens):
-        if micro > 1:
-            loss, grads = jaxsync.accumulate_grads(
-                loss_fn, params, tokens, axis_name=AXIS, sync=sync
-            )
-        else:
-            loss, grads = jaxsync.value_and_grad(loss_fn, axis_name=AXIS, sync=sync)(params, tokens)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        # Returned on its own: the state is donated to the next step before it is read.
-        skipped = opt_state.metrics.skipped if zero else jnp.zeros((), bool)
-        loss = jax.lax.pmean(loss, AXIS)
-        return optax.apply_updates(params, updates), opt_state, loss, skipped
 
     @jax.jit
     @partial(jax.shard_map, mesh=mesh, in_specs=(P(), P(None, AXIS)), out_specs=P())
     def eval_step(params, batches):
         """Mean loss over the fixed validation batches ``(n, batch, seq_len + 1)``."""
-        losses = jax.lax.map(lambda tokens: loss_fn(params, tokens), batches)
+        st = jax.tree.map(lambda x: x, abstract)
+        nnx.replace_by_pure_dict(st, params)
+        model = nnx.merge(graphdef, st)
+        losses = jax.lax.map(lambda tokens: gpt.loss_fn(model, tokens), batches)
         return jax.lax.pmean(jnp.mean(losses), AXIS)
 
     start = 0
     if args.resume:
         r = ckpt.restore(
-            params_like=params,
+            params_like=state.params,
             tx=tx if zero else None,
-            opt_state_like=None if zero else opt_state,
+            opt_state_like=None if zero else state.opt_state,
             mesh=mesh,
             allow_optimizer_change=args.allow_config_change,
         )
-        params, opt_state, start = r.params, r.opt_state, int(r.meta["data_position"])
+        restored = state._replace(
+            step=jnp.asarray(r.step, jnp.int32), params=r.params, opt_state=r.opt_state
+        )
+        state = jax.device_put(restored, train_step.state_shardings(state))
+        start = int(r.meta["data_position"])
         console.print(f"resumed from step {r.step} (next batch {start}) in {ckpt.directory}")
 
     console.print(
-        f"jaxsync GPT: {sum(p.size for p in jax.tree.leaves(params)):,} params "
+        f"jaxsync GPT: {sum(p.size for p in jax.tree.leaves(state.params)):,} params "
         f"({model_cfg.dtype}), {jax.device_count()} devices on {info.num_processes} "
         f"process(es) [{jax.default_backend()}], optimizer={t['optimizer']}, "
         f"global batch {t['global_batch']} x {model_cfg.seq_len} tokens"
@@ -526,7 +486,7 @@ def train(
         highlight=False,
     )
     if zero and lead:
-        console.print(tx.layout(params, mesh).summary())
+        console.print(tx.layout(state.params, mesh).summary())
 
     per_proc = t["global_batch"] // jax.process_count()
     rows = slice(jax.process_index() * per_proc, (jax.process_index() + 1) * per_proc)
@@ -544,7 +504,7 @@ def train(
                 {
                     "config": cfg,
                     "data": about,
-                    "params": int(sum(p.size for p in jax.tree.leaves(params))),
+                    "params": int(sum(p.size for p in jax.tree.leaves(state.params))),
                     "devices": jax.device_count(),
                     "processes": jax.process_count(),
                     "backend": jax.default_backend(),
@@ -562,7 +522,7 @@ def train(
         nonlocal skips
         skips = skips + 1 if bool(skipped) else 0
         if limit and skips >= limit:
-            scale = float(opt_state.loss_scale.scale) if zero else 1.0
+            scale = float(state.loss_scale.scale)
             raise RunStopped(
                 SKIPPING.format(
                     step=step,
@@ -589,11 +549,10 @@ def train(
         tick, last_logged = time.perf_counter(), start
         previous = None  # the last step's skip flag, read one step late: no wait on the device
         for step in range(start, t["steps"]):
-            local = data.batch(step, t["global_batch"], rows)
-            if micro > 1:
-                local = local.reshape(micro, -1, local.shape[-1])
-            batch = jaxsync.shard_batch(local, mesh, axis_name=AXIS, batch_axis=int(micro > 1))
-            params, opt_state, loss, skipped = train_step(params, opt_state, batch)
+            # this process's rows of the global batch; the step places them
+            state, loss = train_step(state, data.batch(step, t["global_batch"], rows))
+            # a copy: the next step is given (donated) the state before this is read
+            skipped = jnp.copy(state.metrics.skipped)
             done = step + 1
             if previous is not None:
                 count_skip(*previous)
@@ -611,10 +570,9 @@ def train(
                     "lr": float(schedule(step)),
                 }
                 if evaluate:
-                    record["val_loss"] = float(eval_step(params, val_batches))
-                if zero:
-                    record["grad_norm"] = float(opt_state.metrics.grad_norm)
-                    record["skipped_steps"] = int(opt_state.metrics.skipped_steps)
+                    record["val_loss"] = float(eval_step(state.params, val_batches))
+                record["grad_norm"] = float(state.metrics.grad_norm)  # the same in both modes
+                record["skipped_steps"] = int(state.metrics.skipped_steps)
                 history.append(record)
                 if lead:
                     with open(metrics_path, "a") as f:
@@ -635,8 +593,8 @@ def train(
             if done % cfg["checkpoint"]["every"] == 0 or done == t["steps"]:
                 ckpt.save(
                     done,
-                    params=params,
-                    opt_state=opt_state,
+                    params=state.params,
+                    opt_state=state.opt_state,
                     tx=tx if zero else None,
                     mesh=mesh,
                     meta={"data_position": done, "config": cfg, "data": corpus_id(data)},
@@ -647,7 +605,7 @@ def train(
     if args.dump_params and lead:
         flat = {
             jaxsync.param_name(p): np.asarray(x.addressable_data(0))
-            for p, x in jax.tree_util.tree_flatten_with_path(params)[0]
+            for p, x in jax.tree_util.tree_flatten_with_path(train_step.params(state))[0]
         }
         np.savez(args.dump_params, **flat)
     plot = write_plot(metrics_path, console) if lead and history else None
@@ -659,7 +617,7 @@ def train(
             + (f", plot in {plot}" if plot else ""),
             highlight=False,
         )
-    return {"params": params, "history": history, "plot": plot}
+    return {"params": train_step.params(state), "history": history, "plot": plot}
 
 
 def write_plot(metrics_path: str, console: Console) -> str | None:
