@@ -101,11 +101,20 @@ def _kill_when(proc, ready, timeout=240):
     return False
 
 
+STEPS = "24"  # with a checkpoint every 4: plenty of saves to land a kill in
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The final params of a run that never stopped (shared by both kill tests)."""
+    full = tmp_path_factory.mktemp("full")
+    train(full, "--steps", STEPS)
+    return load(full / "params.npz")
+
+
 @pytest.mark.parametrize("when", ["training", "saving"])
-def test_sigkill_then_resume_equals_uninterrupted(tmp_path, when):
-    # 40 steps with a checkpoint every 4: plenty of saves to land a kill in.
-    full, killed = tmp_path / "full", tmp_path / "killed"
-    train(full, "--steps", "40")
+def test_sigkill_then_resume_equals_uninterrupted(tmp_path, when, uninterrupted):
+    killed = tmp_path / "killed"
     ckpts = killed / "checkpoints"
 
     def complete():
@@ -116,17 +125,17 @@ def test_sigkill_then_resume_equals_uninterrupted(tmp_path, when):
             return "4" in complete()
         return ckpts.exists() and any("tmp" in d for d in os.listdir(ckpts)) and complete()
 
-    cmd = [sys.executable, TRAIN, "--config", CONFIG, "--run-dir", str(killed), "--steps", "40"]
+    cmd = [sys.executable, TRAIN, "--config", CONFIG, "--run-dir", str(killed), "--steps", STEPS]
     proc = subprocess.Popen(
         cmd, env=env(4), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )
     assert _kill_when(proc, ready), "the run finished before it could be killed"
     survivors = complete()
-    assert survivors and "40" not in survivors
+    assert survivors and STEPS not in survivors
     if when == "saving":  # the interrupted save left only a temporary directory
         assert any("tmp" in d for d in os.listdir(ckpts))
-    train(killed, "--steps", "40", "--resume")
-    assert_params_close(load(full / "params.npz"), load(killed / "params.npz"), rtol=0, atol=0)
+    train(killed, "--steps", STEPS, "--resume")
+    assert_params_close(uninterrupted, load(killed / "params.npz"), rtol=0, atol=0)
 
 
 def test_launcher_stops_everyone_when_one_fails(tmp_path):
