@@ -12,8 +12,22 @@ os.environ["XLA_FLAGS"] = (
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+import atexit  # noqa: E402
+import shutil  # noqa: E402
+import tempfile  # noqa: E402
+
 import jax  # noqa: E402
 import pytest  # noqa: E402
+
+# The processes the tests start (the example trainer, multi-process runs) compile
+# the same small programs again and again: they share one persistent compilation
+# cache, fresh for each session. Set after jax is imported, so this process's own
+# compiles are not cached (tests read compiled HLO text).
+_CACHE = tempfile.mkdtemp(prefix="jaxsync-tests-xla-cache-")
+atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _CACHE)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 
 def require_devices(n: int) -> None:
