@@ -33,7 +33,7 @@ from functools import partial  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
-from bench_optimizer import collectives_cell, init_params, loss_fn  # noqa: E402
+from bench_optimizer import collectives_cell, loss_fn, setup  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 from rich.console import Console  # noqa: E402
@@ -85,19 +85,9 @@ def main() -> None:
     args = ap.parse_args()
 
     n = jax.device_count()
-    mesh = jax.make_mesh((n,), (AXIS,))
-    rep, shard = NamedSharding(mesh, P()), NamedSharding(mesh, P(AXIS))
-    params = jax.device_put(init_params(args.width, args.depth), rep)
+    mesh, params, batch = setup(args.width, args.depth, args.batch_per_device)
     n_params = sum(p.size for p in jax.tree.leaves(params))
     gb = args.batch_per_device * n
-    kx, ky = jax.random.split(jax.random.PRNGKey(1))
-    batch = jax.device_put(
-        (
-            jax.random.normal(kx, (gb, args.width), jnp.bfloat16),
-            jax.random.normal(ky, (gb, args.width), jnp.float32),
-        ),
-        shard,
-    )
     variants = [
         ("zero", None),
         ("zero", jaxsync.Deterministic(units=n)),

@@ -105,6 +105,22 @@ def collectives_cell(c: dict) -> str:
     )
 
 
+def setup(width: int, depth: int, batch_per_device: int) -> tuple:
+    """``(mesh, replicated params, batch sharded over the data axis)`` on every device."""
+    n = jax.device_count()
+    mesh = jax.make_mesh((n,), (AXIS,))
+    params = jax.device_put(init_params(width, depth), NamedSharding(mesh, P()))
+    kx, ky = jax.random.split(jax.random.PRNGKey(1))
+    batch = jax.device_put(
+        (
+            jax.random.normal(kx, (batch_per_device * n, width), jnp.bfloat16),
+            jax.random.normal(ky, (batch_per_device * n, width), jnp.float32),
+        ),
+        NamedSharding(mesh, P(AXIS)),
+    )
+    return mesh, params, batch
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--width", type=int, default=1024)
@@ -120,20 +136,11 @@ def main() -> None:
     args = ap.parse_args()
 
     n = jax.device_count()
-    mesh = jax.make_mesh((n,), (AXIS,))
+    mesh, params, batch = setup(args.width, args.depth, args.batch_per_device)
     dev0 = jax.devices()[0]
     rep, shard = NamedSharding(mesh, P()), NamedSharding(mesh, P(AXIS))
-    params = jax.device_put(init_params(args.width, args.depth), rep)
     n_params = sum(p.size for p in jax.tree.leaves(params))
     gb = args.batch_per_device * n
-    kx, ky = jax.random.split(jax.random.PRNGKey(1))
-    batch = jax.device_put(
-        (
-            jax.random.normal(kx, (gb, args.width), jnp.bfloat16),
-            jax.random.normal(ky, (gb, args.width), jnp.float32),
-        ),
-        shard,
-    )
     adam = optax.adam(1e-4)
     rows, mem = [], {}
 
