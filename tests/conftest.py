@@ -19,15 +19,18 @@ import tempfile  # noqa: E402
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
-# The processes the tests start (the example trainer, multi-process runs) compile
-# the same small programs again and again: they share one persistent compilation
-# cache, fresh for each session. Set after jax is imported, so this process's own
-# compiles are not cached (tests read compiled HLO text).
+# The suite compiles the same small programs again and again (references rebuilt per
+# test, the example trainer in every process it starts): one persistent compilation
+# cache, fresh for each session, for this process and those it starts. Executables
+# loaded from it keep their HLO text, which the collective-placement tests read.
 _CACHE = tempfile.mkdtemp(prefix="jaxsync-tests-xla-cache-")
 atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _CACHE)
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 def require_devices(n: int) -> None:
