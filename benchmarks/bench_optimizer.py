@@ -98,10 +98,9 @@ def bench(name, step, args, make_args, steps):
 
 def collectives_cell(c: dict) -> str:
     """``"AR1:16.0, RS1:2.0"``: count and MiB per collective kind, for a table cell."""
+    short = {"all-reduce": "AR", "reduce-scatter": "RS", "all-gather": "AG"}
     return ", ".join(
-        f"{k[:2].upper()}{c[k].count}:{c[k].bytes / 2**20:.1f}"
-        for k in ("all-reduce", "reduce-scatter", "all-gather")
-        if c[k].count
+        f"{short[k]}{c[k].count}:{c[k].bytes / 2**20:.1f}" for k in short if c[k].count
     )
 
 
