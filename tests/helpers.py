@@ -157,3 +157,30 @@ def scanned_batches(key, steps, batch, din=5, dout=3):
         jax.random.normal(kx, (steps, batch, din)),
         jax.random.normal(ky, (steps, batch, dout)),
     )
+
+
+def nnx_reference(model, opt, loss_fn, batches):
+    """``opt`` on one device over ``batches`` for a flax NNX ``model``, with
+    ``loss_fn(model, batch)``: ``(params as a pure dict, last gradient norm)``."""
+    import optax
+    from flax import nnx
+
+    graphdef, state = nnx.split(model, nnx.Param)
+
+    def loss(params, batch):
+        st = jax.tree.map(lambda v: v, state)
+        nnx.replace_by_pure_dict(st, params)
+        return loss_fn(nnx.merge(graphdef, st), batch)
+
+    @jax.jit
+    def step(params, opt_state, batch):
+        grads = jax.grad(loss)(params, batch)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, optax.tree.norm(grads)
+
+    params = nnx.to_pure_dict(state)
+    opt_state = opt.init(params)
+    norm = None
+    for b in batches:
+        params, opt_state, norm = step(params, opt_state, b)
+    return params, norm

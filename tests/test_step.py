@@ -17,6 +17,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxsync
+from tests.helpers import nnx_reference
 
 RTOL, ATOL = 3e-5, 3e-6
 
@@ -108,24 +109,7 @@ def cached_reference(key: str, make_model, make_tx, batches):
 
 def reference(model: nnx.Module, tx, batches):
     """Single-device optax on the whole batch; returns (params, last grad norm)."""
-    graphdef, params_state = nnx.split(model, nnx.Param)
-    params = nnx.to_pure_dict(params_state)
-
-    def loss(params, batch):
-        st = jax.tree.map(lambda v: v, params_state)
-        nnx.replace_by_pure_dict(st, params)
-        return loss_fn(nnx.merge(graphdef, st), batch)
-
-    @jax.jit
-    def step(params, opt_state, batch):
-        grads = jax.grad(loss)(params, batch)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, optax.tree.norm(grads)
-
-    opt_state = tx.init(params)
-    for b in batches:
-        params, opt_state, norm = step(params, opt_state, b)
-    return params, norm
+    return nnx_reference(model, tx, loss_fn, batches)
 
 
 def params_of(model: nnx.Module):
