@@ -62,6 +62,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
+from bench_optimizer import state_bytes  # noqa: E402  (benchmarks/ is on sys.path)
 from jax.sharding import AxisType, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
@@ -203,15 +204,6 @@ def unrolled_loss(params, tokens, *, heads, dtype, layers, apply=None, constrain
 
 
 # -------------------------------------------------------------------------- helpers
-def state_bytes(tree, device) -> int:
-    return sum(
-        s.data.nbytes
-        for leaf in jax.tree.leaves(tree)
-        for s in leaf.addressable_shards
-        if s.device == device
-    )
-
-
 def by_name(tree) -> dict[str, np.ndarray]:
     return {
         jaxsync.param_name(p): np.asarray(x, np.float32)
