@@ -100,6 +100,11 @@ class Config:
 # ---------------------------------------------------------------------------- model
 def init_params(cfg: Config, seed: int = 0) -> dict[str, Any]:
     """Scanned form (fp32, host numpy): ``blocks`` leaves have a leading layer axis."""
+    return jax.tree.map(np.asarray, device_params(cfg, seed))
+
+
+def device_params(cfg: Config, seed: int = 0) -> dict[str, Any]:
+    """:func:`init_params` as jax arrays (traceable: ``jax.eval_shape`` gives the shapes)."""
     d, L = cfg.d_model, cfg.layers
     ks = iter(jax.random.split(jax.random.PRNGKey(seed), 8))
 
@@ -126,7 +131,7 @@ def init_params(cfg: Config, seed: int = 0) -> dict[str, Any]:
             "w": normal((d, cfg.vocab), d**-0.5),
         },
     }
-    return jax.tree.map(np.asarray, params)
+    return params
 
 
 def block_name(i: int) -> str:
