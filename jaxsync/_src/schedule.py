@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import glob
-import json
 import math
 import os
 import re
@@ -157,6 +156,8 @@ class ScheduleReport:
       device: the GPU the program was compiled for.
       hotspots: the costliest compute instructions of the scheduled computations
         (time x runs), dearest first: where to look for the step's cost.
+      hlo_text: the compiled module (``jaxsync.overlap_report(report.hlo_text)``
+        says where each collective sits).
     """
 
     step_us: float
@@ -168,6 +169,7 @@ class ScheduleReport:
     memory: Mapping[str, int]
     device: str
     hotspots: tuple[Hotspot, ...] = ()
+    hlo_text: str = dataclasses.field(default="", repr=False)
 
     @property
     def exposed_total_us(self) -> float:
@@ -243,7 +245,8 @@ def schedule_report(
         with open(files[-1]) as f:
             text = f.read()
         spec = _gpu(gpu, where)
-    return read_schedule(text, compiled.memory_analysis(), spec)
+    report = read_schedule(text, compiled.memory_analysis(), spec)
+    return dataclasses.replace(report, hlo_text=compiled.as_text())
 
 
 def _compile(lowered: Any, options: dict[str, Any]) -> Any:
@@ -479,8 +482,3 @@ def _dot_flops(inst: Message, comps, insts) -> float:
         k = math.prod(dims[j] for j in nums.all("lhs_contracting_dimensions") if j < len(dims))
         total += 2.0 * math.prod(d.one("shape").all("dimensions")) * k
     return total
-
-
-def as_json(report: ScheduleReport) -> str:
-    """The report as JSON (for benchmark tables and files)."""
-    return json.dumps(dataclasses.asdict(report), indent=1, default=float)

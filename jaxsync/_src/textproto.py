@@ -13,7 +13,7 @@ from typing import Any
 
 _TOKEN = re.compile(
     r'\s*(?:(?P<str>"(?:[^"\\]|\\.)*")|(?P<open>\{)|(?P<close>\})|(?P<colon>:)'
-    r"|(?P<word>[^\s{}:\"]+)|(?P<comment>#[^\n]*))"
+    r"|(?P<comment>#[^\n]*)|(?P<word>[^\s{}:\"#]+))"
 )
 _ESCAPES = {"n": "\n", "t": "\t", '"': '"', "'": "'", "\\": "\\"}
 
