@@ -20,7 +20,13 @@ bf16 compute. Every method runs AdamW with clipping at global norm 1.0:
   gspmd_fsdp   ``jax.jit``; fp32 master and AdamW state sharded, bf16 model cast from it
   jaxsync_ddp  ``train_step(mode="ddp", stacked="blocks")``, fp32 params (bf16 model)
   jaxsync_zero ``train_step(mode="zero", stacked="blocks")``, bf16 params, fp32 master
+  jaxsync_zero_bf16rs  the same with ``reduce_dtype=bf16`` (gradients reduced in bf16,
+               as GSPMD does)
   jaxsync_fsdp ``train_step(mode="fsdp", stacked="blocks")``, bf16 compute policy
+  jaxsync_fsdp_keep  the same with ``reshard_after_forward=False``: each layer is
+               gathered once, in the forward loop, and kept for the backward: ZeRO's
+               memory for params with the final all-gather deferred into the next
+               step's forward (Megatron's ``overlap_param_gather``)
 
 Columns: modeled step (ms), its ratio to the baseline of the same kind (ddp vs
 replicated, zero vs gspmd_zero1, fsdp vs gspmd_fsdp), exposed communication (ms
@@ -164,14 +170,20 @@ def baselines(cfg, mesh, tokens) -> list[Case]:
 
 def jaxsync_cases(cfg, mesh, tokens) -> list[Case]:
     batch = jax.ShapeDtypeStruct(tokens, jnp.int32)
+    policy = jaxsync.MixedPrecision(param_dtype=BF16)
+    variants = [  # name, mode, param dtype, options
+        ("jaxsync_ddp", "ddp", F32, {}),
+        ("jaxsync_zero", "zero", BF16, {}),
+        ("jaxsync_zero_bf16rs", "zero", BF16, {"reduce_dtype": BF16}),
+        ("jaxsync_fsdp", "fsdp", F32, {"policy": policy}),
+        ("jaxsync_fsdp_keep", "fsdp", F32, {"policy": policy, "reshard_after_forward": False}),
+    ]
     out = []
-    for mode, dtype in (("ddp", F32), ("zero", BF16), ("fsdp", F32)):
-        kw = {"policy": jaxsync.MixedPrecision(param_dtype=BF16)} if mode == "fsdp" else {}
+    for name, mode, dtype, kw in variants:
         step = jaxsync.train_step(
             loss_fn(cfg), tx(), mesh, mode=mode, stacked="blocks", clip_grad_norm=1.0, **kw
         )
-        state = step.abstract_state(param_shapes(cfg, dtype))
-        out.append(Case(f"jaxsync_{mode}", step, (state, batch)))
+        out.append(Case(name, step, (step.abstract_state(param_shapes(cfg, dtype)), batch)))
     return out
 
 
@@ -186,7 +198,8 @@ def ring_bytes(report: jaxsync.ScheduleReport, n: int) -> float:
 
 
 REFERENCE = {"jaxsync_ddp": "replicated", "jaxsync_zero": "gspmd_zero1",
-             "jaxsync_fsdp": "gspmd_fsdp"}  # fmt: skip
+             "jaxsync_zero_bf16rs": "gspmd_zero1", "jaxsync_fsdp": "gspmd_fsdp",
+             "jaxsync_fsdp_keep": "gspmd_fsdp"}  # fmt: skip
 
 
 def main() -> None:

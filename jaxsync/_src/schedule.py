@@ -72,6 +72,7 @@ _BYTES = {
     "BF16": 2, "S32": 4, "U32": 4, "F32": 4, "S64": 8, "U64": 8, "F64": 8,
 }  # fmt: skip
 _HOTSPOTS = 25
+_GEMM_DIMS = re.compile(r'"lhs_contracting_dimensions":\[([^\]]*)\]')
 _TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
 _NO_SCHEDULE = (
     "schedule_report: XLA wrote no latency-hiding schedule for this program. It needs a "
@@ -146,8 +147,9 @@ class ScheduleReport:
       step_us: the modeled step: every computation's own time times its runs.
       roofline_us: the part of ``step_us`` priced by the roofline (computations the
         scheduler skipped), not by XLA.
-      roofline_scale: the factor applied to those roofline figures: XLA's modeled
-        compute time of the scheduled computations over their roofline.
+      roofline_scale: the factors applied to those roofline figures, for matmul
+        kernels and for the rest: XLA's modeled time of the same class of kernels
+        in the scheduled computations over their roofline.
       exposed_us: per collective kind, the time it runs with nothing to overlap.
       computations: every priced computation.
       collectives: every asynchronous collective.
@@ -162,7 +164,7 @@ class ScheduleReport:
 
     step_us: float
     roofline_us: float
-    roofline_scale: float
+    roofline_scale: tuple[float, float]
     exposed_us: Mapping[str, float]
     computations: tuple[ComputationTiming, ...]
     collectives: tuple[CollectiveTiming, ...]
@@ -183,7 +185,8 @@ class ScheduleReport:
         """A plain-text account: step, exposure by kind, memory, loops."""
         lines = [
             f"{self.device}: modeled step {self.step_us / 1e3:.3f} ms "
-            f"({self.roofline_us / 1e3:.3f} ms of it by roofline x{self.roofline_scale:.2f}), "
+            f"({self.roofline_us / 1e3:.3f} ms of it by roofline, matmuls x"
+            f"{self.roofline_scale[0]:.2f}, other kernels x{self.roofline_scale[1]:.2f}), "
             "exposed communication "
             f"{self.exposed_total_us / 1e3:.3f} ms ({self.exposed_total_us / self.step_us:.1%})",
         ]
@@ -304,7 +307,7 @@ def read_schedule(text: str, memory: Any, gpu: GpuSpec) -> ScheduleReport:
     timings, colls, skipped, hot = [], [], [], []
     step = 0.0
     exposed: dict[str, float] = {}
-    xla_compute = roof_of_scheduled = 0.0
+    busy_sum, roof_sum = [0.0, 0.0], [0.0, 0.0]  # per class: [matmuls, the rest]
     for cid, n in runs.items():
         comp, sched = comps[cid], scheds.get(cid)
         if sched is None:
@@ -319,18 +322,23 @@ def read_schedule(text: str, memory: Any, gpu: GpuSpec) -> ScheduleReport:
         }  # fmt: skip
         colls += _collectives(comp, sched, comps, insts, n)
         hot += _hotspots(comp, sched, insts, n)
-        busy, roof = _compute_times(comp, sched, comps, insts, gpu)
-        xla_compute, roof_of_scheduled = xla_compute + busy, roof_of_scheduled + roof
+        for cls, (busy, roof) in enumerate(_compute_times(comp, sched, comps, insts, gpu)):
+            busy_sum[cls] += busy
+            roof_sum[cls] += roof
         step += own * n
         for k, v in waste.items():
             exposed[k] = exposed.get(k, 0.0) + v
         timings.append(ComputationTiming(comp.one("name"), n, own, "xla", waste))
-    # Skipped computations: the roofline, scaled by what XLA's model charges over
-    # the roofline for the compute of the scheduled ones (launches, efficiency).
-    scale = xla_compute / roof_of_scheduled if roof_of_scheduled > 0 else 1.0
+    # Skipped computations: the roofline, scaled per kernel class (matmuls, the
+    # rest) by what XLA's model charges over the roofline for the same class in
+    # the scheduled ones (launch costs, efficiency); 1 where a class is unseen.
+    scale = tuple(b / r if r > 0 else 1.0 for b, r in zip(busy_sum, roof_sum, strict=True))
     roofline = 0.0
     for comp, n in skipped:
-        own = scale * sum(_roofline(i, comps, insts, gpu) for i in comp.all("instructions"))
+        own = 0.0
+        for inst in comp.all("instructions"):
+            flops = _dot_flops(inst, comps, insts)
+            own += scale[0 if flops else 1] * _roofline(inst, comps, insts, gpu)
         roofline += own * n
         timings.append(ComputationTiming(comp.one("name"), n, own, "roofline", {}))
     step += roofline
@@ -386,16 +394,16 @@ def _hotspots(comp: Message, sched: Message, insts, n: int) -> list[Hotspot]:
 
 
 def _compute_times(comp: Message, sched: Message, comps, insts, gpu: GpuSpec) -> tuple:
-    """(XLA's modeled compute time, its roofline) over ``comp``'s kernels, once."""
-    busy = roof = 0.0
+    """Per class (matmuls, the rest): (XLA's modeled time, roofline) of ``comp``'s kernels."""
+    out = [[0.0, 0.0], [0.0, 0.0]]
     for e in sched.all("instructions"):
         inst = insts[e.one("id")]
-        op = inst.one("opcode")
-        if not _is_compute(op):
+        if not _is_compute(inst.one("opcode")):
             continue
-        busy += e.one("end_timestamp_cycles", 0.0) - e.one("start_timestamp_cycles", 0.0)
-        roof += _roofline(inst, comps, insts, gpu)
-    return busy, roof
+        cls = out[0 if _dot_flops(inst, comps, insts) else 1]
+        cls[0] += e.one("end_timestamp_cycles", 0.0) - e.one("start_timestamp_cycles", 0.0)
+        cls[1] += _roofline(inst, comps, insts, gpu)
+    return out
 
 
 def _collectives(comp: Message, sched: Message, comps, insts, n: int) -> list[CollectiveTiming]:
@@ -469,7 +477,16 @@ def _roofline(inst: Message, comps, insts, gpu: GpuSpec) -> float:
 
 
 def _dot_flops(inst: Message, comps, insts) -> float:
-    """2 x output elements x contracted size of every dot in ``inst`` (or its fusion)."""
+    """2 x output elements x contracted size of every matmul in ``inst``: a ``dot``, a
+    fusion holding dots, or a cuBLAS gemm custom-call."""
+    if inst.one("opcode") == "custom-call":
+        if not re.search(r"gemm|matmul", inst.one("custom_call_target", "") or ""):
+            return 0.0
+        m = _GEMM_DIMS.search(inst.one("backend_config", "") or "")
+        out = inst.one("shape")
+        out = out.all("tuple_shapes")[0] if out.all("tuple_shapes") else out
+        contracting = [int(j) for j in re.findall(r"\d+", m.group(1))] if m else []
+        return _flops(out, insts.get((inst.all("operand_ids") or [None])[0]), contracting)
     dots = [inst] if inst.one("opcode") == "dot" else [
         i for c in inst.all("called_computation_ids") for i in comps[c].all("instructions")
         if i.one("opcode") == "dot"
@@ -478,7 +495,11 @@ def _dot_flops(inst: Message, comps, insts) -> float:
     for d in dots:
         nums = d.one("dot_dimension_numbers", Message())
         lhs = insts.get(d.all("operand_ids")[0]) if d.all("operand_ids") else None
-        dims = lhs.one("shape").all("dimensions") if lhs is not None else []
-        k = math.prod(dims[j] for j in nums.all("lhs_contracting_dimensions") if j < len(dims))
-        total += 2.0 * math.prod(d.one("shape").all("dimensions")) * k
+        total += _flops(d.one("shape"), lhs, nums.all("lhs_contracting_dimensions"))
     return total
+
+
+def _flops(out: Message, lhs: Message | None, contracting: list[int]) -> float:
+    dims = lhs.one("shape").all("dimensions") if lhs is not None else []
+    k = math.prod(dims[j] for j in contracting if j < len(dims))
+    return 2.0 * math.prod(out.all("dimensions")) * k
