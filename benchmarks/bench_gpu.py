@@ -23,18 +23,18 @@ bf16 compute. Every method runs AdamW with clipping at global norm 1.0:
   jaxsync_zero_bf16rs  the same with ``reduce_dtype=bf16`` (gradients reduced in bf16,
                as GSPMD does)
   jaxsync_fsdp ``train_step(mode="fsdp", stacked="blocks")``, bf16 compute policy
-  jaxsync_fsdp_keep  the same with ``reshard_after_forward=False``: each layer is
-               gathered once, in the forward loop, and kept for the backward: ZeRO's
-               memory for params with the final all-gather deferred into the next
-               step's forward (Megatron's ``overlap_param_gather``)
+  jaxsync_fsdp_keep  the same, the layer body's remat keeping each gathered layer
+               (``save_only_these_names("jaxsync_gathered_layer")``): one gather per
+               layer per step, in the forward; ZeRO-1's param memory during the step,
+               and the params' all-gather deferred into the next step's forward
 
 Columns: modeled step (ms), its ratio to the baseline of the same kind (ddp vs
 replicated, zero vs gspmd_zero1, fsdp vs gspmd_fsdp), exposed communication (ms
 and share of the step), bytes each GPU sends per step (ring algorithms) against
-the ring bound of an fp32 all-reduce of the gradients, 2S(N-1)/N, and arguments
-and temporaries per GPU. Each method is compiled twice: with XLA's defaults and
-with the collective flags of JAX's GPU performance guide
-(:data:`jaxsync.GPU_PERFORMANCE_OPTIONS`).
+the ring bound of an fp32 all-reduce of the gradients, 2S(N-1)/N, arguments and
+temporaries per GPU, and whether their sum fits the GPU's memory. Each method is
+compiled twice: with XLA's defaults and with the collective flags of JAX's GPU
+performance guide (:data:`jaxsync.GPU_PERFORMANCE_OPTIONS`).
 """
 
 from __future__ import annotations
@@ -92,8 +92,9 @@ def clipped():
     return optax.chain(optax.clip_by_global_norm(1.0), tx())
 
 
-def loss_fn(cfg: model.Config, constrain=None):
-    return partial(model.scanned_loss, heads=cfg.heads, dtype=BF16, constrain=constrain)
+def loss_fn(cfg: model.Config, constrain=None, remat_policy=None):
+    return partial(model.scanned_loss, heads=cfg.heads, dtype=BF16, constrain=constrain,
+                   remat_policy=remat_policy)  # fmt: skip
 
 
 def put(tree, sharding):
@@ -171,18 +172,20 @@ def baselines(cfg, mesh, tokens) -> list[Case]:
 def jaxsync_cases(cfg, mesh, tokens) -> list[Case]:
     batch = jax.ShapeDtypeStruct(tokens, jnp.int32)
     policy = jaxsync.MixedPrecision(param_dtype=BF16)
-    variants = [  # name, mode, param dtype, options
-        ("jaxsync_ddp", "ddp", F32, {}),
-        ("jaxsync_zero", "zero", BF16, {}),
-        ("jaxsync_zero_bf16rs", "zero", BF16, {"reduce_dtype": BF16}),
-        ("jaxsync_fsdp", "fsdp", F32, {"policy": policy}),
-        ("jaxsync_fsdp_keep", "fsdp", F32, {"policy": policy, "reshard_after_forward": False}),
+    keep = jax.checkpoint_policies.save_only_these_names("jaxsync_gathered_layer")
+    variants = [  # name, mode, param dtype, options, remat policy
+        ("jaxsync_ddp", "ddp", F32, {}, None),
+        ("jaxsync_zero", "zero", BF16, {}, None),
+        ("jaxsync_zero_bf16rs", "zero", BF16, {"reduce_dtype": BF16}, None),
+        ("jaxsync_fsdp", "fsdp", F32, {"policy": policy}, None),
+        ("jaxsync_fsdp_keep", "fsdp", F32, {"policy": policy}, keep),
     ]
     out = []
-    for name, mode, dtype, kw in variants:
+    for name, mode, dtype, kw, remat in variants:
         step = jaxsync.train_step(
-            loss_fn(cfg), tx(), mesh, mode=mode, stacked="blocks", clip_grad_norm=1.0, **kw
-        )
+            loss_fn(cfg, remat_policy=remat), tx(), mesh, mode=mode, stacked="blocks",
+            clip_grad_norm=1.0, **kw,
+        )  # fmt: skip
         out.append(Case(name, step, (step.abstract_state(param_shapes(cfg, dtype)), batch)))
     return out
 
@@ -218,6 +221,7 @@ def main() -> None:
     cfg = model.Config(vocab=vocab, seq=seq, d_model=d, heads=heads, layers=layers,
                        batch_per_device=rows)  # fmt: skip
     mesh = jaxsync.gpu_topology(args.gpu, hosts=args.hosts, gpus_per_host=args.gpus_per_host)
+    gpu = jaxsync.GPUS[args.gpu]
     n = mesh.size
     nparams = sum(x.size for x in jax.tree.leaves(param_shapes(cfg, F32)))
     tokens = (n * rows, seq + 1)
@@ -244,7 +248,7 @@ def main() -> None:
             print(f"  [{flag_name}] {case.name}: compiled in {time.perf_counter() - t0:.0f} s, "
                   f"{reports[case.name].step_us / 1e3:.2f} ms", flush=True)  # fmt: skip
         head = ["method", "step ms", "vs ref", "exposed ms", "exposed %", "sent / ring bound",
-                "roofline ms", "args MiB", "temps MiB"]  # fmt: skip
+                "roofline ms", "args MiB", "temps MiB", "fits"]  # fmt: skip
         rows_out = []
         for name, r in reports.items():
             ref = reports.get(REFERENCE.get(name, ""))
@@ -254,6 +258,7 @@ def main() -> None:
                 f"{r.exposed_total_us / 1e3:.2f}", f"{r.exposed_total_us / r.step_us:.1%}",
                 f"{ring_bytes(r, n) / bound:.2f}", f"{r.roofline_us / 1e3:.2f}",
                 f"{r.memory['arguments'] / 2**20:.0f}", f"{r.memory['temps'] / 2**20:.0f}",
+                "yes" if r.memory["peak"] <= gpu.memory_bytes else "**no**",
             ])  # fmt: skip
         label = "XLA defaults" if not options else "GPU performance flags"
         table = model.fmt_table(head, rows_out, 1)
