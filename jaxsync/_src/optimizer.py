@@ -28,7 +28,7 @@ from .axes import (
     to_varying,
 )
 from .checks import check_optimizer_args, check_update, next_metrics
-from .collectives import bucket_all_gather, bucket_reduce_scatter
+from .collectives import bucket_reduce_scatter, gather_params
 from .deterministic import Deterministic, UnitGrads, check_deterministic
 from .exact_sync import UNIT_GRADS_WITHOUT_MODE, exact_shards
 from .finalize import SyncRules
@@ -397,7 +397,7 @@ def apply_shards(
         new_master.append(jax.lax.optimization_barrier(master + upd))
         # Gather the new params in their own dtype (bf16: half the bytes).
         out.append(new_master[-1].astype(buf.key.dtype))
-    gathered = layout.unflatten(bucket_all_gather(tuple(out), layout, axis_name=cfg.axes))
+    gathered = gather_params(tuple(out), layout, cfg.axes, params)
     new_state = DistributedOptimizerState(
         master=tuple(new_master),
         inner_state=tuple(new_inner),
