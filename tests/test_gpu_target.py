@@ -208,7 +208,9 @@ def test_zero_step_on_h100_reduces_each_layer_inside_the_backward_loop(zero_repo
     assert in_loop, sites.summary()
     layer_shard = (D * 4 * D * 2 + D) * 4 // 8  # one layer's fp32 grads, 1/8 per device
     loop_bodies = {c.computation for c in in_loop}
-    timed = [c for c in r.collectives if c.kind == "reduce-scatter" and c.computation in loop_bodies]
+    timed = [
+        c for c in r.collectives if c.kind == "reduce-scatter" and c.computation in loop_bodies
+    ]
     assert timed and all(not c.is_sync for c in timed)
     assert all(c.overlap_ops > 0 and c.overlap_us > 0 for c in timed)  # compute hides them
     # No collective on the stacked gradients after the loop: a reduce-scatter left
