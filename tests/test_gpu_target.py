@@ -147,6 +147,33 @@ def test_schedule_report_multiplies_loop_bodies_by_their_trip_count():
 
 
 @needs_plugin
+def test_schedule_report_prices_a_skipped_loop_by_the_calibrated_roofline():
+    """A loop with nothing asynchronous in it is not scheduled (nor dumped) by XLA:
+    its matmuls are priced at 2*M*K*N FLOPs over the bf16 peak, times the factor XLA's
+    model charges over that roofline for the matmul in the scheduled entry."""
+    mesh = jaxsync.gpu_topology("h100")
+
+    @partial(jax.shard_map, mesh=mesh, in_specs=(P("data"), P()), out_specs=(P("data"), P()))
+    def f(x, w):
+        y = jax.lax.fori_loop(0, 5, lambda _, h: h @ w, x)  # no collective in the body
+        return x @ w, jax.lax.psum(y[:8], "data")
+
+    sh = lambda spec: NamedSharding(mesh, spec)  # noqa: E731
+    args = (
+        jax.ShapeDtypeStruct((8 * 4096, 4096), jnp.bfloat16, sharding=sh(P("data"))),
+        jax.ShapeDtypeStruct((4096, 4096), jnp.bfloat16, sharding=sh(P())),
+    )
+    r = jaxsync.schedule_report(jax.jit(f).lower(*args))
+    (loop,) = [c for c in r.computations if c.source == "roofline" and c.own_us > 1]
+    assert loop.runs in (4, 5)  # XLA may peel an iteration into the entry
+    matmul_us = 2 * 4096**3 / (H100.bf16_dense_tflops * 1e12) * 1e6  # 139 us at peak
+    assert loop.own_us == pytest.approx(r.roofline_scale[0] * matmul_us, rel=0.02)
+    assert r.roofline_us == pytest.approx(loop.own_us * loop.runs, rel=1e-6)
+    assert 0.8 < r.roofline_scale[0] < 2.0  # XLA prices this matmul near the roofline
+    assert r.step_us == pytest.approx(sum(c.own_us * c.runs for c in r.computations))
+
+
+@needs_plugin
 def test_schedule_report_names_an_unknown_xla_option():
     mesh = jaxsync.gpu_topology("h100")
     x = jax.ShapeDtypeStruct((64,), jnp.float32, sharding=NamedSharding(mesh, P()))

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import glob
-import math
 import os
 import re
 import tempfile
@@ -35,6 +34,7 @@ from typing import Any
 import jax
 
 from .gpu_target import GPUS, GpuSpec
+from .roofline import compute_times, dot_flops, is_compute, roofline, shape_bytes
 from .textproto import Message, parse
 
 # Turn the latency-hiding scheduler on, price with the analytical estimator, dump.
@@ -62,17 +62,7 @@ GPU_PERFORMANCE_OPTIONS: Mapping[str, Any] = {
 }
 
 _KINDS = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all", "collective-permute")
-_FREE = frozenset({
-    "parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all",
-    "partition-id", "replica-id", "opt-barrier", "add-dependency", "while", "call",
-    "conditional",
-})  # fmt: skip
-_BYTES = {
-    "PRED": 1, "S8": 1, "U8": 1, "F8E4M3FN": 1, "F8E5M2": 1, "S16": 2, "U16": 2, "F16": 2,
-    "BF16": 2, "S32": 4, "U32": 4, "F32": 4, "S64": 8, "U64": 8, "F64": 8,
-}  # fmt: skip
 _HOTSPOTS = 25
-_GEMM_DIMS = re.compile(r'"lhs_contracting_dimensions":\[([^\]]*)\]')
 _TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
 _NO_SCHEDULE = (
     "schedule_report: XLA wrote no latency-hiding schedule for this program. It needs a "
@@ -322,7 +312,7 @@ def read_schedule(text: str, memory: Any, gpu: GpuSpec) -> ScheduleReport:
         }  # fmt: skip
         colls += _collectives(comp, sched, comps, insts, n)
         hot += _hotspots(comp, sched, insts, n)
-        for cls, (busy, roof) in enumerate(_compute_times(comp, sched, comps, insts, gpu)):
+        for cls, (busy, roof) in enumerate(compute_times(comp, sched, comps, insts, gpu)):
             busy_sum[cls] += busy
             roof_sum[cls] += roof
         step += own * n
@@ -333,15 +323,15 @@ def read_schedule(text: str, memory: Any, gpu: GpuSpec) -> ScheduleReport:
     # rest) by what XLA's model charges over the roofline for the same class in
     # the scheduled ones (launch costs, efficiency); 1 where a class is unseen.
     scale = tuple(b / r if r > 0 else 1.0 for b, r in zip(busy_sum, roof_sum, strict=True))
-    roofline = 0.0
+    priced = 0.0
     for comp, n in skipped:
         own = 0.0
         for inst in comp.all("instructions"):
-            flops = _dot_flops(inst, comps, insts)
-            own += scale[0 if flops else 1] * _roofline(inst, comps, insts, gpu)
-        roofline += own * n
+            flops = dot_flops(inst, comps, insts)
+            own += scale[0 if flops else 1] * roofline(inst, comps, insts, gpu)
+        priced += own * n
         timings.append(ComputationTiming(comp.one("name"), n, own, "roofline", {}))
-    step += roofline
+    step += priced
     mem = {
         "arguments": memory.argument_size_in_bytes,
         "outputs": memory.output_size_in_bytes,
@@ -350,7 +340,7 @@ def read_schedule(text: str, memory: Any, gpu: GpuSpec) -> ScheduleReport:
     }
     mem["peak"] = mem["arguments"] + mem["outputs"] - mem["aliased"] + mem["temps"]
     return ScheduleReport(
-        step_us=step, roofline_us=roofline, roofline_scale=scale, exposed_us=exposed,
+        step_us=step, roofline_us=priced, roofline_scale=scale, exposed_us=exposed,
         computations=tuple(timings), collectives=tuple(colls), memory=mem, device=gpu.name,
         hotspots=tuple(sorted(hot, key=lambda h: -h.total_us)[:_HOTSPOTS]),
     )  # fmt: skip
@@ -385,24 +375,11 @@ def _hotspots(comp: Message, sched: Message, insts, n: int) -> list[Hotspot]:
     out = []
     for e in sched.all("instructions"):
         inst = insts[e.one("id")]
-        if _is_compute(inst.one("opcode")):
+        if is_compute(inst.one("opcode")):
             us = e.one("end_timestamp_cycles", 0.0) - e.one("start_timestamp_cycles", 0.0)
             meta = inst.one("metadata", Message())
             out.append(Hotspot(inst.one("name"), inst.one("opcode"), comp.one("name"), us, n,
                                meta.one("op_name", "")))  # fmt: skip
-    return out
-
-
-def _compute_times(comp: Message, sched: Message, comps, insts, gpu: GpuSpec) -> tuple:
-    """Per class (matmuls, the rest): (XLA's modeled time, roofline) of ``comp``'s kernels."""
-    out = [[0.0, 0.0], [0.0, 0.0]]
-    for e in sched.all("instructions"):
-        inst = insts[e.one("id")]
-        if not _is_compute(inst.one("opcode")):
-            continue
-        cls = out[0 if _dot_flops(inst, comps, insts) else 1]
-        cls[0] += e.one("end_timestamp_cycles", 0.0) - e.one("start_timestamp_cycles", 0.0)
-        cls[1] += _roofline(inst, comps, insts, gpu)
     return out
 
 
@@ -427,21 +404,17 @@ def _collectives(comp: Message, sched: Message, comps, insts, n: int) -> list[Co
         )  # fmt: skip
         if done is None:
             continue
-        compute = [j for j in range(k + 1, done) if _is_compute(order[j].one("opcode"))]
+        compute = [j for j in range(k + 1, done) if is_compute(order[j].one("opcode"))]
         config = (inst.one("backend_config", "") or "").replace(" ", "")
         out.append(CollectiveTiming(
             name=inst.one("name"), kind=kind, computation=comp.one("name"), runs=n,
-            bytes=_shape_bytes(order[done].one("shape")),
+            bytes=shape_bytes(order[done].one("shape")),
             modeled_us=times[done][1] - times[k][0],
             overlap_us=sum(times[j][1] - times[j][0] for j in compute),
             overlap_ops=len(compute),
             is_sync='"is_sync":true' in config,
         ))  # fmt: skip
     return out
-
-
-def _is_compute(opcode: str) -> bool:
-    return opcode not in _FREE and not opcode.endswith(("-start", "-done", "-update"))
 
 
 def _wrapped_kind(inst: Message, comps) -> str:
@@ -451,55 +424,3 @@ def _wrapped_kind(inst: Message, comps) -> str:
             if i.one("opcode") in _KINDS:
                 return i.one("opcode")
     return ""
-
-
-# ---------------------------------------------------------------------- roofline
-def _shape_bytes(shape: Message | None) -> int:
-    if shape is None:
-        return 0
-    subs = shape.all("tuple_shapes")
-    if subs:
-        return sum(_shape_bytes(s) for s in subs)
-    return math.prod(shape.all("dimensions")) * _BYTES.get(shape.one("element_type"), 0)
-
-
-def _roofline(inst: Message, comps, insts, gpu: GpuSpec) -> float:
-    """Microseconds of one kernel at the target's peak FLOPs or bytes, whichever binds."""
-    op = inst.one("opcode")
-    if op in _FREE:
-        return 0.0
-    moved = _shape_bytes(inst.one("shape")) + sum(
-        _shape_bytes(insts[o].one("shape")) for o in inst.all("operand_ids") if o in insts
-    )
-    flops = _dot_flops(inst, comps, insts)
-    dtype_peak = gpu.bf16_dense_tflops * 1e12
-    return max(moved / gpu.memory_bandwidth, flops / dtype_peak) * 1e6
-
-
-def _dot_flops(inst: Message, comps, insts) -> float:
-    """2 x output elements x contracted size of every matmul in ``inst``: a ``dot``, a
-    fusion holding dots, or a cuBLAS gemm custom-call."""
-    if inst.one("opcode") == "custom-call":
-        if not re.search(r"gemm|matmul", inst.one("custom_call_target", "") or ""):
-            return 0.0
-        m = _GEMM_DIMS.search(inst.one("backend_config", "") or "")
-        out = inst.one("shape")
-        out = out.all("tuple_shapes")[0] if out.all("tuple_shapes") else out
-        contracting = [int(j) for j in re.findall(r"\d+", m.group(1))] if m else []
-        return _flops(out, insts.get((inst.all("operand_ids") or [None])[0]), contracting)
-    dots = [inst] if inst.one("opcode") == "dot" else [
-        i for c in inst.all("called_computation_ids") for i in comps[c].all("instructions")
-        if i.one("opcode") == "dot"
-    ]  # fmt: skip
-    total = 0.0
-    for d in dots:
-        nums = d.one("dot_dimension_numbers", Message())
-        lhs = insts.get(d.all("operand_ids")[0]) if d.all("operand_ids") else None
-        total += _flops(d.one("shape"), lhs, nums.all("lhs_contracting_dimensions"))
-    return total
-
-
-def _flops(out: Message, lhs: Message | None, contracting: list[int]) -> float:
-    dims = lhs.one("shape").all("dimensions") if lhs is not None else []
-    k = math.prod(dims[j] for j in contracting if j < len(dims))
-    return 2.0 * math.prod(out.all("dimensions")) * k
