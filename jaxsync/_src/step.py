@@ -45,6 +45,13 @@ from .optimizer_state import initial_metrics
 from .placement import check_bucket_size, normalize_stacked
 from .portable import signature
 from .step_body import Plan, per_device
+from .step_checks import (
+    batch_rows,
+    check_float_params,
+    check_processes_at_init,
+    check_processes_first_step,
+    check_state_alive,
+)
 from .train_state import GuardState, TrainState
 
 PyTree = Any
@@ -79,6 +86,7 @@ class TrainStep:
     deterministic: Deterministic | None
     labels: Any
     _plans: dict[Any, Plan] = dataclasses.field(default_factory=dict, repr=False)
+    _stepped: list[bool] = dataclasses.field(default_factory=list, repr=False)
 
     # ------------------------------------------------------------------ init
     def init(self, params: Any, *nnx_states: Any) -> TrainState:
@@ -102,6 +110,8 @@ class TrainStep:
                 f"TrainStep.init: `params` must be a non-empty pytree of arrays or an nnx.Module; "
                 f"{what}."
             )
+        check_float_params(params, self.mode, "TrainStep.init")
+        check_processes_at_init(self, params, rest)
         mesh, axes, rep = self.mesh, self.axis_name, NamedSharding(self.mesh, P())
         # Copies: the step donates the state, which must never delete the caller's
         # arrays (or the module's, for an nnx.Module).
@@ -158,8 +168,13 @@ class TrainStep:
     # ------------------------------------------------------------------ step
     def __call__(self, state: TrainState, batch: PyTree) -> tuple[TrainState, jax.Array]:
         """One step on the global ``batch`` (host arrays are fine): ``(state, loss)``."""
+        check_state_alive(state, "TrainStep.__call__")
         plan = self._plan(state, "TrainStep.__call__")
-        return plan.fn(state, self.place(batch))
+        placed = self.place(batch)
+        if not self._stepped:  # once: every process takes its first step together
+            check_processes_first_step(self, state, batch)
+            self._stepped.append(True)
+        return plan.fn(state, placed)
 
     def lower(self, state: TrainState, batch: PyTree) -> Any:
         """The step lowered for ``state`` and ``batch`` (``.compile()``, then e.g.
@@ -171,6 +186,7 @@ class TrainStep:
         ``microbatches``); what ``__call__`` does to its batch. With several
         processes each passes its own rows, as for :func:`jaxsync.shard_batch`."""
         n = mesh_axes_size(self.mesh, self.axis_name, "TrainStep")
+        batch_rows(batch, "TrainStep")
         for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]:
             rows = np.shape(x)[0] * jax.process_count() if np.ndim(x) else None
             if rows is not None and self.microbatches > 1 and rows % (n * self.microbatches) == 0:

@@ -23,6 +23,7 @@ from .fsdp import ShardedLayers, check_microbatches
 from .grad_sync import accumulate_grads, all_reduce_grads, value_and_grad
 from .nnx_bridge import ModelDef, trace_views
 from .scan_sync import DataParallel, LayerStack
+from .step_checks import check_loss
 from .train_state import GuardState, TrainState, global_stats, guarded_update, padding_of
 
 PyTree = Any
@@ -66,6 +67,7 @@ def loss_of(cfg: Any, plan: Plan, state: TrainState) -> Callable[[Any, Any], Any
                 f"got {type(out).__name__} of shape {getattr(out, 'shape', None)}. Reduce "
                 "it with jnp.mean; return aux values through the model or params instead."
             )
+        check_loss(out, cfg.axis_name, cfg.mode, "jaxsync.train_step")
         return out * scale.astype(out.dtype), rest
 
     return loss

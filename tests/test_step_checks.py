@@ -1,0 +1,121 @@
+"""The checks every train_step mode shares: batches, losses, params, donated
+states, and what the processes of a run must agree on (fingerprints)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from conftest import require_devices
+
+import jaxsync
+from jaxsync._src.consistency import describe_value
+
+MODES = ("ddp", "zero", "fsdp")
+
+
+@pytest.fixture
+def mesh():
+    require_devices(8)
+    return jax.make_mesh((8,), ("data",))
+
+
+PARAMS = {"w": jnp.ones((4, 2)), "b": jnp.zeros((2,))}
+
+
+def mse(p, b):
+    return jnp.mean((b["x"] @ p["w"] + p["b"] - b["y"]) ** 2)
+
+
+def batch(rows=16, y_rows=None):
+    return {
+        "x": np.ones((rows, 4), np.float32),
+        "y": np.ones((y_rows or rows, 2), np.float32),
+    }
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_batch_leaves_with_other_rows_are_refused(mesh, mode):
+    # 16 rows of x against 8 of y: before, each device got 2 rows of x and 1 of
+    # y, broadcast against each other, and trained without a word.
+    step = jaxsync.train_step(mse, optax.sgd(0.1), mesh, mode=mode)
+    state = step.init(PARAMS)
+    with pytest.raises(ValueError, match=r"\['y'\] has 8, while \['x'\] has 16"):
+        step(state, batch(16, 8))
+    state, loss = step(state, batch(16))  # the state was not consumed by the refusal
+    assert float(loss) == 9.0
+
+
+def test_shard_batch_refuses_leaves_with_other_rows(mesh):
+    with pytest.raises(ValueError, match=r"\['y'\] has 16, while \['x'\] has 8"):
+        jaxsync.shard_batch(batch(8, 16), mesh)
+    micro = {"x": np.ones((2, 8, 4)), "y": np.ones((2, 16, 1))}
+    with pytest.raises(ValueError, match=r"axis 1"):
+        jaxsync.shard_batch(micro, mesh, batch_axis=1)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_loss_already_averaged_is_refused_in_every_mode(mesh, mode):
+    # FSDP used to train it with gradients 1/8 of the right ones.
+    step = jaxsync.train_step(
+        lambda p, b: jax.lax.pmean(mse(p, b), "data"), optax.sgd(0.1), mesh, mode=mode
+    )
+    state = step.init(PARAMS)
+    with pytest.raises(TypeError, match=rf"already reduced over \['data'\].*mode='{mode}'"):
+        step(state, batch())
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_integer_loss_is_named(mesh, mode):
+    step = jaxsync.train_step(
+        lambda p, b: jnp.sum(b["x"] @ p["w"] > 0), optax.sgd(0.1), mesh, mode=mode
+    )
+    state = step.init(PARAMS)
+    with pytest.raises(TypeError, match="loss of dtype int32"):
+        step(state, batch())
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_integer_params_are_refused_in_every_mode(mesh, mode):
+    # FSDP used to train an int32 param as a float and truncate it back.
+    step = jaxsync.train_step(mse, optax.sgd(0.1), mesh, mode=mode)
+    with pytest.raises(TypeError, match=rf"param n has dtype int32.*mode='{mode}'"):
+        step.init(dict(PARAMS, n=jnp.arange(3)))
+
+
+@pytest.mark.parametrize("mode", ("ddp", "fsdp"))
+def test_integer_nnx_param_is_named(mesh, mode):
+    from flax import nnx
+
+    class Model(nnx.Module):
+        def __init__(self):
+            self.w = nnx.Param(jnp.ones((4, 2)))
+            self.n = nnx.Param(jnp.arange(3))
+
+    step = jaxsync.train_step(
+        lambda m, b: jnp.mean((b["x"] @ m.w[...] - b["y"]) ** 2), optax.sgd(0.1), mesh, mode=mode
+    )
+    with pytest.raises(TypeError, match=r"param n has dtype int32.*nnx.Param"):
+        step.init(Model())
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_donated_state_used_again_is_refused(mesh, mode):
+    step = jaxsync.train_step(mse, optax.sgd(0.1), mesh, mode=mode)
+    state = step.init(PARAMS)
+    new, _ = step(state, batch())
+    with pytest.raises(ValueError, match="donated to an earlier call"):
+        step(state, batch())
+    new, loss = step(new, batch())
+    assert np.isfinite(float(loss))
+
+
+def test_fingerprints_read_optimizer_hyperparameters():
+    same = describe_value(optax.adamw(1e-3, weight_decay=0.1))
+    assert same == describe_value(optax.adamw(1e-3, weight_decay=0.1))
+    assert same != describe_value(optax.adamw(1e-3, weight_decay=0.2))
+    assert same != describe_value(optax.adamw(2e-3, weight_decay=0.1))
+    sched = lambda peak: optax.adam(optax.warmup_cosine_decay_schedule(0.0, peak, 10, 100))
+    assert describe_value(sched(1.0)) == describe_value(sched(1.0))
+    assert describe_value(sched(1.0)) != describe_value(sched(0.5))
+    assert "0x" not in same  # no memory addresses: they differ between processes
