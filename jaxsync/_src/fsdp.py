@@ -453,6 +453,18 @@ class ShardedLayers:
     def jaxsync_gather(self) -> PyTree:
         return self.fs.gather_layer(self.shard, self.unit)
 
+    def __getitem__(self, key: Any) -> Any:
+        from .scan_sync import NOT_TAPPED
+
+        raise TypeError(NOT_TAPPED.format(group=self.unit))
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or name in ("shard", "fs", "unit"):
+            raise AttributeError(name)
+        from .scan_sync import NOT_TAPPED
+
+        raise TypeError(NOT_TAPPED.format(group=self.unit))
+
 
 def check_microbatches(microbatches: Any, batch: Any) -> None:
     """``microbatches``: a positive int dividing every batch leaf's leading axis."""
