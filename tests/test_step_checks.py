@@ -119,3 +119,25 @@ def test_fingerprints_read_optimizer_hyperparameters():
     assert describe_value(sched(1.0)) == describe_value(sched(1.0))
     assert describe_value(sched(1.0)) != describe_value(sched(0.5))
     assert "0x" not in same  # no memory addresses: they differ between processes
+
+
+def test_fully_shard_makes_the_same_checks(mesh):
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    fs = jaxsync.fully_shard({"w": jnp.ones((8, 2))}, axis_name="data", units=["w"], mesh=mesh)
+
+    def grads(sh, b):
+        loss = lambda s, bb: jax.lax.pmean(jnp.mean(bb @ fs.view(s)["w"]), "data")  # noqa: E731
+        return fs.value_and_grad(loss, sh, b)[1]
+
+    run = jax.jit(jax.shard_map(grads, mesh=mesh, in_specs=(fs.specs(), P("data")),
+                                out_specs=fs.specs()))  # fmt: skip
+    x = jax.device_put(jnp.ones((16, 8)), NamedSharding(mesh, P("data")))
+    with pytest.raises(TypeError, match=r"FullyShard.value_and_grad: .*already reduced"):
+        run(fs.shard({"w": jnp.ones((8, 2))}), x)
+    with pytest.raises(TypeError, match="jaxsync.fully_shard: param n has dtype int32"):
+        jaxsync.fully_shard(
+            {"w": jnp.ones((8, 2)), "n": jnp.arange(8)}, axis_name="data", units=["w", "n"],
+            mesh=mesh,
+        )  # fmt: skip
