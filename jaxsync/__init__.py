@@ -61,6 +61,7 @@ from jaxsync._src.scan_sync import tap as tap
 from jaxsync._src.step import TrainStep as TrainStep
 from jaxsync._src.step import train_step as train_step
 from jaxsync._src.train_state import TrainState as TrainState
+from jaxsync._src.train_state_checkpoint import RestoredState as RestoredState
 
 __version__ = "0.1.0"
 
@@ -83,6 +84,7 @@ __all__ = [
     "MixedPrecision",
     "OverlapReport",
     "Restored",
+    "RestoredState",
     "SequenceParallel",
     "ShardedGrads",
     "StepMetrics",
