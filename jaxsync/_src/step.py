@@ -47,6 +47,7 @@ from .portable import signature
 from .step_body import Plan, per_device
 from .step_checks import (
     batch_rows,
+    check_deterministic_state,
     check_float_params,
     check_processes_at_init,
     check_processes_first_step,
@@ -111,6 +112,7 @@ class TrainStep:
                 f"{what}."
             )
         check_float_params(params, self.mode, "TrainStep.init")
+        check_deterministic_state(self.deterministic, rest, self.mode, "TrainStep.init")
         check_processes_at_init(self, params, rest)
         mesh, axes, rep = self.mesh, self.axis_name, NamedSharding(self.mesh, P())
         # Copies: the step donates the state, which must never delete the caller's

@@ -109,6 +109,27 @@ def check_loss(out: Any, axes: tuple[str, ...], mode: str, fn: str) -> None:
         raise TypeError(LOSS_ALREADY_REDUCED.format(fn=fn, axes=reduced, mode=mode))
 
 
+DETERMINISTIC_MODEL_STATE = (
+    "{fn}: `deterministic` does not support NNX model state besides `nnx.Param`s, and this "
+    "model has {leaves} (mode={mode!r}). Batch statistics are computed from each device's "
+    "rows and averaged over devices, and an RNG stream (Dropout) draws from one key on "
+    "every device for a different share of the batch, so both depend on the number of "
+    "devices and break the mode's bitwise promise. Remove them for deterministic runs "
+    "(e.g. LayerNorm instead of BatchNorm, `nnx.Dropout(rate=0)` without `rngs`), or drop "
+    "`deterministic`."
+)
+
+
+def check_deterministic_state(det: Any, model_state: PyTree, mode: str, fn: str) -> None:
+    """Deterministic mode refuses model state it cannot keep independent of N."""
+    if det is None:
+        return
+    names = [param_name(p) for p, _ in jax.tree_util.tree_flatten_with_path(model_state)[0]]
+    if names:
+        shown = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
+        raise ValueError(DETERMINISTIC_MODEL_STATE.format(fn=fn, leaves=shown, mode=mode))
+
+
 # ---------------------------------------------------------------- processes
 _SKIP = ("loss_fn", "tx", "mesh", "labels")
 
