@@ -141,3 +141,48 @@ def test_fully_shard_makes_the_same_checks(mesh):
             {"w": jnp.ones((8, 2)), "n": jnp.arange(8)}, axis_name="data", units=["w", "n"],
             mesh=mesh,
         )  # fmt: skip
+
+
+def test_a_state_on_the_same_devices_in_another_order_is_named(mesh):
+    from jax.sharding import Mesh
+
+    reversed_mesh = Mesh(np.array(jax.devices()[::-1]), ("data",))
+    for mode in MODES:
+        made = jaxsync.train_step(mse, optax.sgd(0.1), mesh, mode=mode)
+        other = jaxsync.train_step(mse, optax.sgd(0.1), reversed_mesh, mode=mode)
+        state = made.init(PARAMS)
+        other.init(PARAMS)
+        with pytest.raises(ValueError, match=r"the same devices in another order.*device_put"):
+            other(state, batch())
+        moved = jax.device_put(state, other.state_shardings(state))  # the fix it names
+        _, loss = other(moved, batch())
+        assert float(loss) == 9.0
+
+
+@pytest.mark.parametrize("mode", ["ddp", "zero"])
+def test_bad_labels_get_the_same_message_in_ddp_and_zero(mesh, mode):
+    tx = {"decay": optax.adamw(1e-2), "plain": optax.adam(1e-2)}
+    cases = [
+        ({"w": "decay", "b": None}, TypeError, r"label of param \['b'\] is None"),
+        ({"w": "decay", "b": "nodecay"}, ValueError, r"uses \['nodecay'\].*\['decay', 'plain'\]"),
+    ]
+    for labels, error, match in cases:
+        step = jaxsync.train_step(mse, tx, mesh, mode=mode, labels=labels)
+        with pytest.raises(error, match=match):
+            step(step.init(PARAMS), batch())
+
+
+def test_fsdp_shards_restored_at_a_size_that_does_not_fit_their_padding(tmp_path):
+    require_devices(8)
+    big = jax.make_mesh((8,), ("data",))
+    small = jax.make_mesh((3,), ("data",), devices=jax.devices()[:3])
+    step8 = jaxsync.train_step(mse, optax.sgd(0.1), big, mode="fsdp")
+    state = step8.init(PARAMS)
+    with jaxsync.Checkpointer(tmp_path) as ckpt:
+        ckpt.save(1, params=state.params, opt_state=state.opt_state)
+    step3 = jaxsync.train_step(mse, optax.sgd(0.1), small, mode="fsdp")
+    like = step3.init(PARAMS)
+    ckpt = jaxsync.Checkpointer(tmp_path)
+    with pytest.raises(jaxsync.CheckpointMismatchError, match="FSDP shards.*save_state"):
+        ckpt.restore(params_like=like.params, opt_state_like=like.opt_state)
+    ckpt.close()

@@ -33,6 +33,7 @@ from .checkpoint_io import CheckpointIO
 from .checkpoint_lock import WriterLock
 from .checkpoint_records import (
     CHECKS_ITEM,
+    FSDP_PADDING,
     NEEDS_MESH,
     NEEDS_OPT_STATE_LIKE,
     NEEDS_TX,
@@ -340,7 +341,8 @@ class Checkpointer(CheckpointIO):
                 f"checkpoint step {step} in {self.directory} does not match the model:\n"
                 + "\n".join(problems)
                 + "\nRestore with the model and optimizer settings the run was saved "
-                "with (the data-parallel size may differ)."
+                "with (the data-parallel size may differ for a distributed optimizer's "
+                "state)." + (FSDP_PADDING if any("shape differs" in p for p in problems) else "")
             )
 
         state = self._read(step, target, checks, saved)

@@ -72,6 +72,14 @@ NOT_PARTS = (
     "checkpoint step {step} in {dir} holds a whole TrainState saved with `save_state`; "
     "restore it with `Checkpointer.restore_state(train_step, state_like)`."
 )
+FSDP_PADDING = (
+    " If the arrays whose shapes differ are FSDP shards (`fs.shard`, or a mode='fsdp' "
+    "TrainState), their flat length is padded to a multiple of the data-parallel size "
+    "they were sharded for, so `restore` reads them only at DP sizes that give the same "
+    "padded lengths (the saved ones above). To restore FSDP at any DP size, save with "
+    "`Checkpointer.save_state(train_step, state)` and restore with `restore_state`, "
+    "or save `fs.unshard(shards)` (per-param arrays) instead of the shards."
+)
 CLOSED = (
     "this Checkpointer for {dir} is closed; create a new jaxsync.Checkpointer to save or restore."
 )

@@ -52,6 +52,8 @@ from .step_checks import (
     check_processes_at_init,
     check_processes_first_step,
     check_state_alive,
+    check_state_mesh,
+    checked_labels,
 )
 from .train_state import GuardState, TrainState
 
@@ -171,6 +173,7 @@ class TrainStep:
     def __call__(self, state: TrainState, batch: PyTree) -> tuple[TrainState, jax.Array]:
         """One step on the global ``batch`` (host arrays are fine): ``(state, loss)``."""
         check_state_alive(state, "TrainStep.__call__")
+        check_state_mesh(state, self.mesh, "TrainStep.__call__")
         plan = self._plan(state, "TrainStep.__call__")
         placed = self.place(batch)
         if not self._stepped:  # once: every process takes its first step together
@@ -450,7 +453,7 @@ def train_step(
         raise ValueError(f"`deterministic` does not support {what}; {fix}.")
     zero_labels = labels if mode == "zero" else None
     if labels is not None and mode == "ddp":  # a replicated optimizer: optax's own way
-        tx = optax.multi_transform(dict(tx), labels)
+        tx = optax.multi_transform(dict(tx), checked_labels(labels, dict(tx)))
     return TrainStep(
         loss_fn=loss_fn,
         tx=tx,

@@ -88,6 +88,47 @@ def check_state_alive(state: PyTree, fn: str) -> None:
             raise ValueError(STATE_DELETED.format(fn=fn, leaf=f"state{jax.tree_util.keystr(path)}"))
 
 
+STATE_ON_OTHER_MESH = (
+    "{fn}: the state's arrays are on a mesh with devices {got}, and this step's mesh has "
+    "{want}{why}. Shards belong to positions in the mesh, so the step cannot read them "
+    "there. Build the state with this step's `init` (or restore into it), build the step "
+    "with the mesh the state was made on, or move the state: "
+    "`state = jax.device_put(state, step.state_shardings(state))`."
+)
+
+
+def check_state_mesh(state: PyTree, mesh: Any, fn: str) -> None:
+    """The state must live on the step's mesh, devices in the same order."""
+    want = [d.id for d in mesh.devices.flat]
+    seen: set[int] = set()
+    for x in jax.tree.leaves(state):
+        m = getattr(getattr(x, "sharding", None), "mesh", None)
+        if m is None or id(m) in seen or not hasattr(m, "devices"):
+            continue
+        seen.add(id(m))
+        got = [d.id for d in m.devices.flat]
+        if got != want or dict(m.shape) != dict(mesh.shape):
+            why = f" (axes {dict(m.shape)} vs {dict(mesh.shape)})"
+            if got != want:
+                same = sorted(got) == sorted(want)
+                why = " (the same devices in another order)" if same else " (other devices)"
+            raise ValueError(STATE_ON_OTHER_MESH.format(fn=fn, got=got, want=want, why=why))
+
+
+def checked_labels(labels: Any, inner: dict[str, Any]) -> Any:
+    """``labels`` for ``optax.multi_transform`` (ddp), checked as ZeRO checks them: one
+    label string per param, each a key of ``tx`` (a None or unknown label would be
+    an optax KeyError or a silently untrained param)."""
+    from .checks import check_labels
+
+    def labels_of(params: PyTree) -> PyTree:
+        tree = labels(params) if callable(labels) else labels
+        check_labels(params, tree, inner)
+        return tree
+
+    return labels_of
+
+
 def check_float_params(params: PyTree, mode: str, fn: str) -> None:
     """Integer params cannot be trained in any mode."""
     for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
