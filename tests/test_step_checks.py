@@ -186,3 +186,20 @@ def test_fsdp_shards_restored_at_a_size_that_does_not_fit_their_padding(tmp_path
     with pytest.raises(jaxsync.CheckpointMismatchError, match="FSDP shards.*save_state"):
         ckpt.restore(params_like=like.params, opt_state_like=like.opt_state)
     ckpt.close()
+
+
+def test_step_fingerprints_tell_configs_apart(mesh):
+    from jaxsync._src.step_checks import step_items
+
+    def items(**kw):
+        return dict(step_items(jaxsync.train_step(mse, optax.adam(1e-3), mesh, **kw)))
+
+    base = items(mode="zero", reduce_dtype=jnp.float32)
+    assert base == items(mode="zero", reduce_dtype=jnp.float32)
+    for other in (
+        items(mode="ddp", reduce_dtype=jnp.float32),
+        items(mode="zero", reduce_dtype=jnp.bfloat16),
+        items(mode="zero", clip_grad_norm=1.0),
+        items(mode="zero", microbatches=2),
+    ):
+        assert other["mode and options"] != base["mode and options"]

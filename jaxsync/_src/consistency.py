@@ -53,6 +53,8 @@ def describe_value(obj: Any, depth: int = 0, seen: frozenset[int] = frozenset())
         return _describe_array(obj)
     if isinstance(obj, np.dtype) or (isinstance(obj, type) and issubclass(obj, np.generic)):
         return f"dtype:{np.dtype(obj).name}"
+    if isinstance(getattr(obj, "dtype", None), np.dtype) and callable(obj):  # jnp.float32
+        return f"dtype:{obj.dtype.name}"
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # NamedTuple
         return f"{type(obj).__qualname__}({', '.join(rec(x) for x in obj)})"
     if isinstance(obj, list | tuple):
