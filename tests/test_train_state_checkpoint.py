@@ -144,3 +144,19 @@ def test_stale_and_foreign_owners(tmp_path):
     ckpt.close()
     with jaxsync.Checkpointer(tmp_path, take_over=True) as ckpt:
         ckpt.save_state(step, state, step=2)
+
+
+@pytest.mark.parametrize("mode", ["ddp", "zero", "fsdp"])
+def test_restore_into_an_abstract_state(tmp_path, mode):
+    step8, state = make(mode, 8)
+    state, _ = step8(state, BATCH)
+    with jaxsync.Checkpointer(tmp_path) as ckpt:
+        ckpt.save_state(step8, state)
+    step2, _ = make(mode, 2)
+    like = step2.abstract_state(WithStats(nnx.Rngs(0)))
+    with jaxsync.Checkpointer(tmp_path) as ckpt:
+        new = ckpt.restore_state(step2, like).state
+    for a, b in zip(leaves(step8.params(state)), leaves(step2.params(new)), strict=True):
+        np.testing.assert_array_equal(a, b)
+    new, _ = step2(new, BATCH)
+    assert int(new.step) == 2

@@ -227,7 +227,8 @@ class Checkpointer(CheckpointIO):
     ) -> Any:
         """Restores a whole TrainState saved by :meth:`save_state` onto ``train_step``'s mesh.
 
-        ``state_like`` is ``train_step.init(params_or_module)`` (its values are not
+        ``state_like`` is ``train_step.init(params_or_module)`` or
+        ``train_step.abstract_state(...)`` (only its shapes and shardings are
         used; the data-parallel size may differ from the saved run's). Returns a
         ``RestoredState(step, state, extra, meta)``. Raises
         :class:`CheckpointMismatchError` naming any part of the state the

@@ -14,8 +14,8 @@ number of data-parallel devices:
 
 ``Checkpointer.restore_state(train_step, state_like)`` rebuilds the state for
 the step's mesh, whatever its DP size, into the shardings of ``state_like``
-(the state ``train_step.init`` returns). What the checkpoint lacks is named,
-never re-initialised.
+(the state ``train_step.init`` returns, or ``train_step.abstract_state``'s).
+What the checkpoint lacks is named, never re-initialised.
 """
 
 from __future__ import annotations
@@ -23,6 +23,9 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from .checksum import tree_checksums
 from .describe import describe_optimizer, optimizer_differences
@@ -101,6 +104,36 @@ def to_portable(ts: Any, state: TrainState, fn: str) -> dict[str, Any]:
     }
 
 
+def portable_like(ts: Any, like: TrainState, fn: str) -> dict[str, Any]:
+    """The abstract form (``ShapeDtypeStruct``s with shardings) of :func:`to_portable`'s
+    result for ``like``, which may itself be abstract (``TrainStep.abstract_state``)."""
+    plan = ts._plan(like, fn)
+    sds = lambda x, s=None: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s or x.sharding)  # noqa: E731
+    params, opt = jax.tree.map(sds, like.params), jax.tree.map(sds, like.opt_state)
+    if ts.mode == "zero":
+        opt = plan.tx.portable_shapes(like.params, ts.mesh)
+    elif ts.mode == "fsdp":
+        fs, rep = plan.fs, NamedSharding(ts.mesh, P())
+        full = jax.tree.map(lambda t: jax.ShapeDtypeStruct(t.shape, jnp.float32, sharding=rep),
+                            plan.template)  # fmt: skip
+        params = full
+        opt = jax.tree.map(
+            lambda d: full if _is_unit_dict(fs)(d) else d, opt, is_leaf=_is_unit_dict(fs)
+        )
+    model_state = jax.tree.map(
+        lambda x: sds(jax.eval_shape(jax.random.key_data, x), x.sharding)
+        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else sds(x),
+        like.model_state,
+    )  # fmt: skip
+    return {
+        "step": sds(like.step),
+        "params": params,
+        "opt_state": opt,
+        "model_state": model_state,
+        "guard": {} if like.guard is None else jax.tree.map(sds, like.guard),
+    }
+
+
 def from_portable(ts: Any, portable: dict[str, Any], like: TrainState, fn: str) -> TrainState:
     """Inverse of :func:`to_portable` onto ``like``'s mesh and shardings."""
     plan = ts._plan(like, fn)
@@ -171,12 +204,12 @@ def restore_state(
                 step=step, dir=ckpt.directory, saved=record.get("mode"), now=ts.mode
             )
         )
-    like = to_portable(ts, state_like, fn)
-    target = {**like, "extra": extra_like or {}}
-    target = jax.tree.map(
+    like = portable_like(ts, state_like, fn)
+    extra = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
-        target,
+        extra_like or {},
     )
+    target = {**like, "extra": extra}
     tx = ts._plan(state_like, fn).tx if ts.mode == "zero" else None
     changed = optimizer_differences(
         checks.get("optimizer", {}), describe_optimizer(tx, state_like.params, like["opt_state"])
