@@ -115,6 +115,10 @@ def test_a_tap_under_a_data_dependent_cond_is_refused_at_trace_time(mesh):
     step = jaxsync.train_step(loss_fn, optax.sgd(1.0), mesh, mode="ddp", stacked="blocks")
     with pytest.raises(ValueError, match=r"'blocks' sits inside a `lax.cond`.*\['data'\]"):
         step(step.init(PARAMS), X)
+    # FSDP: the tap is the layer's all-gather, in the forward too
+    step = jaxsync.train_step(loss_fn, optax.sgd(1.0), mesh, mode="fsdp", stacked="blocks")
+    with pytest.raises(ValueError, match=r"FSDP gathers a unit inside a `lax.cond`"):
+        step(step.init(PARAMS), X)
 
     def body_ok(x, p):  # tapped outside the branch: fine
         p = jaxsync.tap(p)

@@ -470,9 +470,14 @@ class ShardedLayers:
 def _checked_loss(loss_fn: Callable[..., Any], has_aux: bool, axes: Any) -> Callable[..., Any]:
     """``loss_fn`` with the checks every mode makes of its loss (not yet averaged)."""
     from .step_checks import check_loss
+    from .tap_rules import check_no_gather_under_cond
 
     def checked(*args: Any) -> Any:
-        out = loss_fn(*args)
+        # Traced into a jaxpr, checked, and run from it (no second trace of the loss).
+        closed, shape = jax.make_jaxpr(loss_fn, return_shape=True)(*args)
+        check_no_gather_under_cond(closed.jaxpr, tuple(axes))
+        flat = jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *jax.tree.leaves(args))
+        out = jax.tree.unflatten(jax.tree.structure(shape), flat)
         check_loss(out[0] if has_aux else out, tuple(axes), "fsdp", "FullyShard.value_and_grad")
         return out
 

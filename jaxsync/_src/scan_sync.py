@@ -195,8 +195,8 @@ def tap(layer: Any) -> Any:
     every stacked group is tapped; the tap is not inside a ``lax.cond``/
     ``lax.switch`` branch whose predicate depends on the data (its collective
     would run on some devices only and deadlock: tap first, outside the branch,
-    and pass the tapped params into the branches; for FSDP, whose forward
-    gather is also a collective, this is not checked, so keep the same rule);
+    and pass the tapped params into the branches; FSDP, whose forward gather
+    is a collective too, is checked the same way);
     with microbatches each layer is tapped once per step (one tap per scanned
     body, one scan over the stack, not nested in another loop).
 

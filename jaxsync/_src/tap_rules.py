@@ -15,7 +15,8 @@ holds every tap whatever was cached:
   layers apart) is refused. Without microbatches any number of taps is exact:
   the reduction is linear.
 - a tap inside a ``lax.cond``/``switch`` branch whose predicate differs between
-  devices puts a collective where only some devices go: a deadlock.
+  devices puts a collective where only some devices go: a deadlock. FSDP's unit
+  gathers are checked the same way (:func:`check_no_gather_under_cond`).
 """
 
 from __future__ import annotations
@@ -87,12 +88,18 @@ def _varying(aval: Any) -> frozenset[str]:
     return frozenset(vma)
 
 
-def _group_of(eqn: Any) -> str | None:
+def _custom_name(eqn: Any) -> str:
     if eqn.primitive.name != "custom_vjp_call":
-        return None
+        return ""
     call = eqn.params.get("call_jaxpr")
     info = getattr(getattr(call, "jaxpr", call), "debug_info", None)
-    name = str(getattr(info, "func_name", ""))
+    return str(getattr(info, "func_name", ""))
+
+
+def _group_of(eqn: Any) -> str | None:
+    name = _custom_name(eqn)
+    if not name:
+        return None
     prefix = TAP_NAME.split("{", 1)[0]
     return name[len(prefix) : -1] if name.startswith(prefix) and name.endswith("]") else None
 
@@ -155,3 +162,34 @@ def check_taps(jaxpr: Any, groups: Sequence[str], axes: Sequence[str], accumulat
             raise ValueError(NESTED.format(group=g, depth=use.depth, why=why))
         if use.count > 1:
             raise ValueError(TWICE.format(group=g, count=use.count))
+
+
+FSDP_GATHER = "gather_shard"  # fsdp_gather.gather_shard's custom_vjp
+
+GATHER_UNDER_COND = (
+    "FSDP gathers a unit inside a `lax.cond`/`lax.switch` branch whose predicate differs "
+    "between devices (it varies over {axes}): the all-gather would run on some devices "
+    "and not on others, which deadlocks. Read the unit's params (FSDP: `jaxsync.tap` "
+    "for a stacked layer, `fs.view(shards)[...]` otherwise) outside the branch and pass "
+    "them into both branches (or use `jnp.where`)."
+)
+
+
+def _gathers(jaxpr: Any) -> bool:
+    for eqn in jaxpr.eqns:
+        if _custom_name(eqn) == FSDP_GATHER:
+            return True
+        if any(_gathers(sub) for sub in _subjaxprs(eqn)):
+            return True
+    return False
+
+
+def check_no_gather_under_cond(jaxpr: Any, axes: Sequence[str]) -> None:
+    """FSDP: no unit gather inside a branch whose predicate varies over ``axes``."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "cond":
+            varying = sorted(_varying(eqn.invars[0].aval) & set(axes))
+            if varying and any(_gathers(b.jaxpr) for b in eqn.params["branches"]):
+                raise ValueError(GATHER_UNDER_COND.format(axes=varying))
+        for sub in _subjaxprs(eqn):
+            check_no_gather_under_cond(sub, axes)
