@@ -185,7 +185,9 @@ def param_values(params: PyTree) -> list[tuple[str, str]]:
     out = []
     for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
         if isinstance(x, jax.Array) and not x.is_fully_addressable:
-            data = np.asarray(x.addressable_shards[0].data)  # already global: one shard
+            if not x.sharding.is_fully_replicated:
+                continue  # one global array already: nothing per process to compare
+            data = np.asarray(x.addressable_shards[0].data)  # every process's own copy
         else:
             data = np.asarray(x)
         digest = hashlib.sha256(data.tobytes()).hexdigest()[:16]
