@@ -44,8 +44,8 @@ def shard_batch(
     rows = batch_rows(batch, "jaxsync.shard_batch", batch_axis)
     sharding = NamedSharding(mesh, P(*([None] * batch_axis), axes))
     nproc = jax.process_count()
-    key = (tuple(d.id for d in mesh.devices.flat), axes, batch_axis)
-    if nproc > 1 and key not in _COMPARED:
+    key = (tuple(d.id for d in mesh.devices.flat), axes, batch_axis) if nproc > 1 else None
+    if key is not None and key not in _COMPARED:
         _COMPARED.add(key)
         check_agree([("rows per process", f"{rows} rows")], "jaxsync.shard_batch",
                     "the rows of their part of the global batch")  # fmt: skip
