@@ -71,6 +71,7 @@ from jaxsync._src.schedule import schedule_report as schedule_report
 from jaxsync._src.step import TrainStep as TrainStep
 from jaxsync._src.step import train_step as train_step
 from jaxsync._src.train_state import TrainState as TrainState
+from jaxsync._src.train_state_checkpoint import RestoredState as RestoredState
 
 __version__ = "0.1.0"
 
@@ -103,6 +104,7 @@ __all__ = [
     "MixedPrecision",
     "OverlapReport",
     "Restored",
+    "RestoredState",
     "SequenceParallel",
     "ShardedGrads",
     "StepMetrics",

@@ -308,6 +308,10 @@ class _Job:
             if ended is not None:
                 self.pumps[ended.rank].join(timeout=2.0)  # its last lines first
                 if ended.code != 0:
+                    code, how = ended.code, f"exited with code {ended.code}"
+                    if code < 0:  # killed by a signal: the shell's convention, 128 + signal
+                        code = 128 - code
+                        how = f"was killed by {_signal_name(-ended.code)} (exit code {code})"
                     running = self.running()
                     note = "" if self.joined(ended.rank) else " (before jaxsync.initialize())"
                     # A process stuck elsewhere makes the others fail (a collective
@@ -317,11 +321,11 @@ class _Job:
                         for r, (age, where) in sorted(self.stalled(_IDLE).items())
                     )
                     self.say(
-                        f"process {ended.rank} failed first: it exited with code "
-                        f"{ended.code}{note} after {ended.time - start:.1f}s; stopping "
-                        f"process(es) {running}, which were still running.{idle}"
+                        f"process {ended.rank} failed first: it {how}{note} after "
+                        f"{ended.time - start:.1f}s; stopping process(es) {running}, which "
+                        f"were still running.{idle}"
                     )
-                    return ended.code
+                    return code
                 if self.nproc > 1 and not self.joined(ended.rank):
                     self.say(NO_INITIALIZE.format(rank=ended.rank, nproc=self.nproc))
                     return NOT_JOINED_CODE
@@ -370,6 +374,13 @@ class _Job:
             p.wait()
         for pump in self.pumps:
             pump.join(timeout=2.0)
+
+
+def _signal_name(num: int) -> str:
+    try:
+        return signal.Signals(num).name
+    except ValueError:
+        return f"signal {num}"
 
 
 def main(args: list[str] | None = None) -> int:

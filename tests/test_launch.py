@@ -215,3 +215,39 @@ def test_sigterm_to_the_launcher_stops_every_process(tmp_path):
     assert launcher.returncode == 128 + signal.SIGTERM
     assert "received SIGTERM; passed it on to processes [0, 1]" in stderr
     assert not any(_alive(p) for p in pids)  # before: both kept running, orphaned
+
+
+def test_a_rank_killed_by_a_signal_is_blamed_with_the_shells_code(tmp_path):
+    # Before: the launcher exited with the negative returncode (-11 -> status 245).
+    body = JOINS + textwrap.dedent("""
+        import os, signal, time
+        if rank == 1:
+            os.kill(os.getpid(), signal.SIGSEGV)
+        time.sleep(120)
+    """)
+    out, secs = run_launcher("--nproc", "2", "--grace", "1", script(tmp_path, body))
+    assert out.returncode == 128 + signal.SIGSEGV
+    assert "process 1 failed first: it was killed by SIGSEGV (exit code 139)" in out.stderr
+    assert secs < 30
+
+
+def test_sys_exit_with_a_failure_code_does_not_wait_for_the_others(tmp_path):
+    # In a multi-process run the interpreter's exit waits in JAX's shutdown barrier
+    # (here: an atexit hook that sleeps) until another rank fails first, with its
+    # own code, and takes the blame. jaxsync.initialize makes sys.exit(code) end
+    # the process at once with that code.
+    body = """
+        import atexit, sys, time
+        from jaxsync._src.distributed import _exit_now_on_failure_code
+        atexit.register(time.sleep, 60)  # what JAX's shutdown barrier looks like
+        _exit_now_on_failure_code()
+        print("bye", flush=True)
+        sys.exit(7)
+    """
+    t0 = time.monotonic()
+    out = subprocess.run(
+        [sys.executable, script(tmp_path, body)], cwd=ROOT, capture_output=True, text=True,
+        timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 7 and out.stdout == "bye\n"
+    assert time.monotonic() - t0 < 30

@@ -175,3 +175,66 @@ def test_launcher_stops_everyone_when_one_fails(tmp_path):
     assert "process 1 failed first: it exited with code 3" in out.stderr
     assert "stopping process(es) [0, 2]" in out.stderr
     assert time.time() - t0 < 30
+
+
+DISAGREE = """
+import json, os, sys
+import numpy as np
+import jax, jax.numpy as jnp, optax
+import jaxsync
+
+jaxsync.initialize()
+me = jax.process_index()
+mesh = jax.make_mesh((jax.device_count(),), ("data",))
+params = {"w": jnp.ones((4, 2)), "b": jnp.zeros((2,))}
+loss = lambda p, b: jnp.mean((b["x"] @ p["w"] + p["b"] - b["y"]) ** 2)
+batch = lambda rows: {"x": np.ones((rows, 4), np.float32), "y": np.ones((rows, 2), np.float32)}
+out = {}
+
+
+def attempt(name, fn):
+    try:
+        fn()
+        out[name] = "ok"
+    except ValueError as e:
+        out[name] = str(e)
+
+
+# a stale config: another learning rate on process 1
+lr = 0.1 if me == 0 else 0.2
+attempt("lr", lambda: jaxsync.train_step(loss, optax.adam(lr), mesh).init(params))
+# params from another seed on process 1
+other = dict(params, b=params["b"] + me)
+attempt("params", lambda: jaxsync.train_step(loss, optax.sgd(0.1), mesh).init(other))
+# another row count from process 1's data loader
+step = jaxsync.train_step(loss, optax.sgd(0.1), mesh, mode="ddp")
+state = step.init(params)
+attempt("rows", lambda: step(state, batch(4 if me == 0 else 8)))
+# and everything agreeing trains
+step = jaxsync.train_step(loss, optax.sgd(0.1), mesh, mode="zero")
+state = step.init(params)
+state, l = step(state, batch(4))
+out["loss"] = float(l)
+with open(os.path.join(sys.argv[1], f"out{me}.json"), "w") as f:
+    json.dump(out, f)
+"""
+
+
+def test_processes_that_disagree_are_named(tmp_path):
+    script = tmp_path / "disagree.py"
+    script.write_text(DISAGREE)
+    cmd = [sys.executable, "-m", "jaxsync.launch", "--nproc", "2", "--devices-per-proc", "2"]
+    run = subprocess.run(
+        [*cmd, str(script), str(tmp_path)], env=env(2), cwd=ROOT, capture_output=True,
+        text=True, timeout=120,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    for me in (0, 1):
+        out = json.loads((tmp_path / f"out{me}.json").read_text())
+        assert "processes of this run disagree" in out["lr"]
+        assert "optimizer `tx` (its hyperparameters)" in out["lr"]
+        assert "[0]: " in out["lr"] and "-0.1" in out["lr"] and "-0.2" in out["lr"]
+        assert "param b:" in out["params"] and "param w" not in out["params"]
+        assert "process(es) [0]: 4 rows" in out["rows"]
+        assert "process(es) [1]: 8 rows" in out["rows"]
+        assert out["loss"] == 9.0

@@ -194,6 +194,23 @@ def check_train_step(ns: dict, ctx: SimpleNamespace) -> None:
     state = ns["state"]
     assert int(state.step) == 1 and float(state.metrics.grad_norm) > 0
     assert all(x.sharding.is_fully_replicated for x in jax.tree.leaves(ns["params"]))
+    ctx.train_step = {k: ns[k] for k in ("step", "state", "params", "loss_fn", "batch")}
+
+
+def setup_state_checkpoint(ns: dict, ctx: SimpleNamespace) -> None:
+    ns.update(ctx.train_step)  # the train_step section's run, 8 devices
+
+
+def check_state_checkpoint(ns: dict, ctx: SimpleNamespace) -> None:
+    r, state, state4 = ns["restored"], ns["state"], ns["state4"]
+    assert isinstance(r, jaxsync.RestoredState) and r.meta == {"data_position": 1}
+    assert int(state4.step) == int(state.step) == 1
+    jax.tree.map(np.testing.assert_array_equal, ns["step4"].params(state4), ns["params"])
+    jax.tree.map(np.testing.assert_array_equal, state4.opt_state, state.opt_state)
+    jax.tree.map(np.testing.assert_array_equal, state4.guard, state.guard)
+    assert all(x.sharding.mesh.devices.size == 4 for x in jax.tree.leaves(state4))
+    state4, loss = ns["step4"](state4, ns["batch"])  # it trains on, on 4 devices
+    assert int(state4.step) == 2 and np.isfinite(float(loss))
 
 
 def setup_nnx_scanned(ns: dict, ctx: SimpleNamespace) -> None:
@@ -510,6 +527,7 @@ SPECS = {
     "fsdp": Spec(setup_fsdp, check_fsdp),
     "multihost": Spec(setup_multihost, check_multihost),
     "checkpoint": Spec(setup_checkpoint, check_checkpoint),
+    "state_checkpoint": Spec(setup_state_checkpoint, check_state_checkpoint),
     "deterministic": Spec(setup_deterministic, check_deterministic),
     "gpu_target": Spec(setup_gpu_target, check_gpu_target),
 }

@@ -10,8 +10,13 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from .axes import AxisName, mesh_axes_size, normalize_axes
+from .consistency import check_agree
 
 PyTree = Any
+
+# (mesh devices, axes, batch axis) whose rows the processes compared already: once
+# each, on the first call, which every process makes at the same point.
+_COMPARED: set[Any] = set()
 
 
 def shard_batch(
@@ -28,12 +33,22 @@ def shard_batch(
     concatenation over processes in process order.
 
     Raises:
-      ValueError: a leaf is a scalar or its batch size does not divide evenly.
+      ValueError: a leaf is a scalar, its batch size does not divide evenly, the
+        leaves disagree on their rows, or (first call) the processes pass
+        different numbers of rows.
     """
+    from .step_checks import batch_rows
+
     axes = normalize_axes(axis_name)
     n = mesh_axes_size(mesh, axes, "jaxsync.shard_batch")
+    rows = batch_rows(batch, "jaxsync.shard_batch", batch_axis)
     sharding = NamedSharding(mesh, P(*([None] * batch_axis), axes))
     nproc = jax.process_count()
+    key = (tuple(d.id for d in mesh.devices.flat), axes, batch_axis) if nproc > 1 else None
+    if key is not None and key not in _COMPARED:
+        _COMPARED.add(key)
+        check_agree([("rows per process", f"{rows} rows")], "jaxsync.shard_batch",
+                    "the rows of their part of the global batch")  # fmt: skip
 
     def put(path: Any, x: Any) -> jax.Array:
         shape = np.shape(x)

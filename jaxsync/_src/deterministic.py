@@ -56,7 +56,11 @@ class Deterministic:
     the same backend with the same jax/XLA versions: params, fp32 master,
     optimizer state, loss, grad norm and skipped steps are then the same bits for
     every DP size ``N`` that divides ``units``, in one process or several, and
-    across a checkpoint saved at one ``N`` and resumed at another.
+    across a checkpoint saved at one ``N`` and resumed at another. Known limit:
+    on XLA:CPU a model with a softmax (attention) gives ``N = 1`` results that
+    differ from ``N >= 2`` in the last bits (the one-partition program is compiled
+    differently); ``N >= 2`` agree bitwise. :func:`jaxsync.train_step` refuses
+    NNX model state (BatchNorm statistics, Dropout RNG) in this mode.
 
     Attributes:
       units: ``U``, the number of equal pieces each microbatch's global batch is

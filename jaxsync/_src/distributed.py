@@ -126,6 +126,7 @@ def initialize(
     )
     if exit_on_error and info.num_processes > 1:
         _exit_on_uncaught_exception()
+        _exit_now_on_failure_code()
     launch_dir = os.environ.get(ENV_LAUNCH_DIR)
     if how == "jaxsync.launch" and launch_dir:
         report_to_launcher(launch_dir, info.process_id)
@@ -148,3 +149,32 @@ def _exit_on_uncaught_exception() -> None:
 
     hook._jaxsync_exits = True  # type: ignore[attr-defined]
     sys.excepthook = hook
+
+
+def _exit_now_on_failure_code() -> None:
+    """``sys.exit(code)`` with a failure code ends the process at once, with that code.
+
+    Otherwise the interpreter's exit waits in JAX's shutdown barrier for the other
+    processes, which go on until a collective fails for want of this one: another
+    process then fails first, with another code, and the launcher blames it.
+    (``SystemExit`` raised by hand still takes the slow path.)
+    """
+    previous = sys.exit
+    if getattr(previous, "_jaxsync_exits", False):
+        return
+
+    def exit_now(status: object = None) -> None:
+        if status is None or status == 0:
+            previous(status)
+            return
+        code = status if isinstance(status, int) else 1
+        if not isinstance(status, int):
+            with contextlib.suppress(Exception):
+                print(status, file=sys.stderr)
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(code & 0xFF)
+
+    exit_now._jaxsync_exits = True  # type: ignore[attr-defined]
+    sys.exit = exit_now

@@ -404,6 +404,7 @@ class FullyShard:
         reduce-scatters once (less communication, more memory).
         """
         check_microbatches(microbatches, batch)
+        loss_fn = _checked_loss(loss_fn, has_aux, self.axes)
         if microbatches == 1:
             return jax.value_and_grad(loss_fn, has_aux=has_aux)(shards, batch)
         mbs = jax.tree.map(lambda x: x.reshape(microbatches, -1, *x.shape[1:]), batch)
@@ -452,6 +453,35 @@ class ShardedLayers:
 
     def jaxsync_gather(self) -> PyTree:
         return self.fs.gather_layer(self.shard, self.unit)
+
+    def __getitem__(self, key: Any) -> Any:
+        from .scan_sync import NOT_TAPPED
+
+        raise TypeError(NOT_TAPPED.format(group=self.unit))
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or name in ("shard", "fs", "unit"):
+            raise AttributeError(name)
+        from .scan_sync import NOT_TAPPED
+
+        raise TypeError(NOT_TAPPED.format(group=self.unit))
+
+
+def _checked_loss(loss_fn: Callable[..., Any], has_aux: bool, axes: Any) -> Callable[..., Any]:
+    """``loss_fn`` with the checks every mode makes of its loss (not yet averaged)."""
+    from .step_checks import check_loss
+    from .tap_rules import check_no_gather_under_cond
+
+    def checked(*args: Any) -> Any:
+        # Traced into a jaxpr, checked, and run from it (no second trace of the loss).
+        closed, shape = jax.make_jaxpr(loss_fn, return_shape=True)(*args)
+        check_no_gather_under_cond(closed.jaxpr, tuple(axes))
+        flat = jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *jax.tree.leaves(args))
+        out = jax.tree.unflatten(jax.tree.structure(shape), flat)
+        check_loss(out[0] if has_aux else out, tuple(axes), "fsdp", "FullyShard.value_and_grad")
+        return out
+
+    return checked
 
 
 def check_microbatches(microbatches: Any, batch: Any) -> None:
@@ -527,6 +557,9 @@ def fully_shard(
       >>> shards = fs.shard(params)   # on the mesh given here
       >>> # inside shard_map:  x = fs.apply(shards, "blocks.0", block_fn, x)
     """
+    from .step_checks import check_float_params
+
+    check_float_params(params, "fsdp", "jaxsync.fully_shard")
     n = mesh_axes_size(mesh, axis_name, "jaxsync.fully_shard")
     if replicate_axis is not None:
         mesh_axes_size(mesh, replicate_axis, "jaxsync.fully_shard")

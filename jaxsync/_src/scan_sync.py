@@ -17,10 +17,9 @@ distributed optimizer, sharded: ZeRO-2).
 
 from __future__ import annotations
 
-import contextvars
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
-from functools import partial
 from typing import Any
 
 import jax
@@ -33,6 +32,7 @@ from .layout import BufferKey, Layout
 from .names import in_group, param_name
 from .optimizer_state import ShardedGrads
 from .placement import build_layout, check_bucket_size, normalize_stacked
+from .tap_rules import TAP_NAME, check_taps
 
 PyTree = Any
 
@@ -48,11 +48,6 @@ NEVER_TAPPED = (
     "no scanned layer body passed its layer through `jaxsync.tap`, so their gradients would "
     "be lost. Call `p = jaxsync.tap(p)` on each layer's slice in the scanned body (flax "
     "NNX: run the stacked module with `jaxsync.scan_layers`), or drop them from `stacked=`."
-)
-
-# The stacked groups tapped while one sync_value_and_grad traces the loss.
-_TAPPED: contextvars.ContextVar[set[str] | None] = contextvars.ContextVar(
-    "jaxsync_tapped", default=None
 )
 
 
@@ -196,6 +191,15 @@ def tap(layer: Any) -> Any:
     computes it. Anywhere else (plain ``jax.grad``, evaluation) it returns
     ``layer`` unchanged, so the same model code runs everywhere.
 
+    Rules (checked when the step is traced, see :mod:`jaxsync._src.tap_rules`):
+    every stacked group is tapped; the tap is not inside a ``lax.cond``/
+    ``lax.switch`` branch whose predicate depends on the data (its collective
+    would run on some devices only and deadlock: tap first, outside the branch,
+    and pass the tapped params into the branches; FSDP, whose forward gather
+    is a collective too, is checked the same way);
+    with microbatches each layer is tapped once per step (one tap per scanned
+    body, one scan over the stack, not nested in another loop).
+
     Example:
       >>> def body(x, p):
       ...     p = jaxsync.tap(p)
@@ -215,16 +219,22 @@ def tap(layer: Any) -> Any:
                 f"{tuple(leaf.shape)}; one layer's slice has shape {slot.row_shape}. Call it "
                 "inside the scanned layer body, on the slice `lax.scan` passes in."
             )
-    tapped = _TAPPED.get()
-    if tapped is not None:
-        tapped.add(spec.group)
-    return _tap(spec, layer.params, layer.sinks, layer.acc)
+    return _tap_of(spec.group)(spec, layer.params, layer.sinks, layer.acc)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _tap(spec: TapSpec, params: PyTree, sinks: Any, acc: Any) -> PyTree:
-    del spec, sinks, acc
-    return params
+@functools.cache
+def _tap_of(group: str) -> Callable[..., PyTree]:
+    """The tap's custom_vjp for ``group``, named so the jaxpr shows which group it taps
+    (:mod:`tap_rules` reads the taps from there)."""
+
+    def tap_impl(spec: TapSpec, params: PyTree, sinks: Any, acc: Any) -> PyTree:
+        del spec, sinks, acc
+        return params
+
+    tap_impl.__name__ = tap_impl.__qualname__ = TAP_NAME.format(group=group)
+    fn = jax.custom_vjp(tap_impl, nondiff_argnums=(0,))
+    fn.defvjp(_tap_fwd, _tap_bwd)
+    return fn
 
 
 def _tap_fwd(spec: TapSpec, params: PyTree, sinks: Any, acc: Any) -> tuple[PyTree, Any]:
@@ -258,9 +268,6 @@ def _tap_bwd(spec: TapSpec, res: Any, ct: PyTree) -> tuple[None, Any, None]:
             reduced.append(_like(r, sink))
         out.append(tuple(reduced))
     return None, (tuple(out), _like(flags, like_flags)), None
-
-
-_tap.defvjp(_tap_fwd, _tap_bwd)
 
 
 def _like(x: jax.Array, sink: jax.Array) -> jax.Array:
@@ -361,17 +368,21 @@ def sync_value_and_grad(
         )
         return fun(view, *args)
 
-    tapped: set[str] = set()
-    token = _TAPPED.set(tapped)
-    try:
-        out, (g_free, g_sinks) = jax.value_and_grad(f, argnums=(0, 1), has_aux=has_aux)(
-            [varying[i] for i in free], sinks
-        )
-    finally:
-        _TAPPED.reset(token)
-    missed = sorted(set(specs) - tapped)
-    if missed:
-        raise ValueError(NEVER_TAPPED.format(groups=missed))
+    # Traced once into a jaxpr, whose taps are checked (the jaxpr holds them even
+    # where JAX reused a cached scan body), then differentiated from that jaxpr.
+    free_in = [varying[i] for i in free]
+    closed, out_shape = jax.make_jaxpr(f, return_shape=True)(free_in, sinks)
+    check_taps(closed.jaxpr, tuple(specs), plan.axes, acc is not None)
+    out_tree = jax.tree.structure(out_shape)
+
+    def traced(free_leaves: list[Any], sinks: dict[str, Any]) -> Any:
+        flat = jax.tree.leaves((free_leaves, sinks))
+        flat = jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *flat)
+        return jax.tree.unflatten(out_tree, flat)
+
+    out, (g_free, g_sinks) = jax.value_and_grad(traced, argnums=(0, 1), has_aux=has_aux)(
+        free_in, sinks
+    )
     by_slot: list[Any] = [None] * len(leaves)
     for i, g in zip(free, g_free, strict=True):
         by_slot[i] = g if acc_leaves is None else g.astype(jnp.float32) + acc_leaves[i]

@@ -45,6 +45,16 @@ from .optimizer_state import initial_metrics
 from .placement import check_bucket_size, normalize_stacked
 from .portable import signature
 from .step_body import Plan, per_device
+from .step_checks import (
+    batch_rows,
+    check_deterministic_state,
+    check_float_params,
+    check_processes_at_init,
+    check_processes_first_step,
+    check_state_alive,
+    check_state_mesh,
+    checked_labels,
+)
 from .train_state import GuardState, TrainState
 
 PyTree = Any
@@ -79,6 +89,7 @@ class TrainStep:
     deterministic: Deterministic | None
     labels: Any
     _plans: dict[Any, Plan] = dataclasses.field(default_factory=dict, repr=False)
+    _stepped: list[bool] = dataclasses.field(default_factory=list, repr=False)
 
     # ------------------------------------------------------------------ init
     def init(self, params: Any, *nnx_states: Any) -> TrainState:
@@ -90,6 +101,7 @@ class TrainStep:
         then receives the merged module.
         """
         model, params, rest = self._split(params, nnx_states, "TrainStep.init")
+        check_processes_at_init(self, params, rest)
         # Copies: the step donates the state, which must never delete the caller's
         # arrays (or the module's, for an nnx.Module).
         params, rest = _replicated_copy((params, rest), self.mesh)
@@ -139,6 +151,8 @@ class TrainStep:
             raise TypeError(
                 f"{fn}: `params` must be a non-empty pytree of arrays or an nnx.Module; {what}."
             )
+        check_float_params(params, self.mode, fn)
+        check_deterministic_state(self.deterministic, rest, self.mode, fn)
         return model, params, rest
 
     def _make(self, model: Any, params: PyTree, rest: PyTree) -> tuple[TrainState, Plan]:
@@ -197,8 +211,14 @@ class TrainStep:
     # ------------------------------------------------------------------ step
     def __call__(self, state: TrainState, batch: PyTree) -> tuple[TrainState, jax.Array]:
         """One step on the global ``batch`` (host arrays are fine): ``(state, loss)``."""
+        check_state_alive(state, "TrainStep.__call__")
+        check_state_mesh(state, self.mesh, "TrainStep.__call__")
         plan = self._plan(state, "TrainStep.__call__")
-        return plan.fn(state, self.place(batch))
+        placed = self.place(batch)
+        if not self._stepped:  # once: every process takes its first step together
+            check_processes_first_step(self, state, batch)
+            self._stepped.append(True)
+        return plan.fn(state, placed)
 
     def lower(self, state: TrainState, batch: PyTree) -> Any:
         """The step lowered for ``state`` and ``batch`` (``.compile()``, then e.g.
@@ -210,6 +230,7 @@ class TrainStep:
         ``microbatches``); what ``__call__`` does to its batch. With several
         processes each passes its own rows, as for :func:`jaxsync.shard_batch`."""
         n = mesh_axes_size(self.mesh, self.axis_name, "TrainStep")
+        batch_rows(batch, "TrainStep")
         for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]:
             rows = np.shape(x)[0] * jax.process_count() if np.ndim(x) else None
             if rows is not None and self.microbatches > 1 and rows % (n * self.microbatches) == 0:
@@ -493,7 +514,7 @@ def train_step(
         raise ValueError(f"`deterministic` does not support {what}; {fix}.")
     zero_labels = labels if mode == "zero" else None
     if labels is not None and mode == "ddp":  # a replicated optimizer: optax's own way
-        tx = optax.multi_transform(dict(tx), labels)
+        tx = optax.multi_transform(dict(tx), checked_labels(labels, dict(tx)))
     return TrainStep(
         loss_fn=loss_fn,
         tx=tx,

@@ -18,10 +18,12 @@ import jax
 import jax.numpy as jnp
 
 from .axes import varying_axes
+from .exact_sync import nonfinite_flags
 from .fsdp import ShardedLayers, check_microbatches
 from .grad_sync import accumulate_grads, all_reduce_grads, value_and_grad
 from .nnx_bridge import ModelDef, trace_views
 from .scan_sync import DataParallel, LayerStack
+from .step_checks import check_loss
 from .train_state import GuardState, TrainState, global_stats, guarded_update, padding_of
 
 PyTree = Any
@@ -65,6 +67,7 @@ def loss_of(cfg: Any, plan: Plan, state: TrainState) -> Callable[[Any, Any], Any
                 f"got {type(out).__name__} of shape {getattr(out, 'shape', None)}. Reduce "
                 "it with jnp.mean; return aux values through the model or params instead."
             )
+        check_loss(out, cfg.axis_name, cfg.mode, "jaxsync.train_step")
         return out * scale.astype(out.dtype), rest
 
     return loss
@@ -115,9 +118,10 @@ def ddp_body(cfg: Any, plan: Plan, state: TrainState, batch: Any) -> tuple[Train
             reduce_dtype=cfg.reduce_dtype, rules=cfg.rules, deterministic=cfg.deterministic,
         )  # fmt: skip
     grads = unscale(grads, state.loss_scale.scale)
-    # Deterministic: per-device flags would depend on the DP size; flag the sums.
-    flags = grads if cfg.deterministic is not None else local
-    return finish(cfg, plan, state, grads, flags, global_stats(grads), loss, rest)
+    # Deterministic: per-device flags would depend on the DP size; flag units, as ZeRO.
+    units = nonfinite_flags(local) if cfg.deterministic is not None else None
+    flags = grads if units is not None else local
+    return finish(cfg, plan, state, grads, flags, global_stats(grads), loss, rest, units)
 
 
 def fsdp_body(cfg: Any, plan: Plan, state: TrainState, batch: Any) -> tuple[TrainState, Any]:
@@ -144,10 +148,11 @@ def finish(
     stats: Any,
     loss: Any,
     rest: Any,
+    unit_flags: Any = None,
 ) -> tuple[TrainState, Any]:
     params, opt_state, scale, metrics, finite = guarded_update(
         state, plan.tx, grads, flags, stats,
-        clip_grad_norm=cfg.clip_grad_norm, loss_scale=cfg.loss_scale,
+        clip_grad_norm=cfg.clip_grad_norm, loss_scale=cfg.loss_scale, unit_flags=unit_flags,
     )  # fmt: skip
     new = TrainState(
         state.step + finite.astype(jnp.int32), params, opt_state,
@@ -195,9 +200,14 @@ def mean_loss(cfg: Any, loss: jax.Array, state: TrainState) -> jax.Array:
     over (a sequence-parallel loss computed piecewise over ``"tensor"``)."""
     loss = loss / state.loss_scale.scale.astype(loss.dtype)
     if cfg.deterministic is not None:  # already the exact global mean, on every device
-        return jax.lax.pmax(loss, cfg.axis_name)
+        bad = jax.lax.pmax(jnp.logical_not(jnp.isfinite(loss)).astype(jnp.int32), cfg.axis_name)
+        loss = jax.lax.pmax(loss, cfg.axis_name)
+        # A skipped step: NaN, one bit pattern, at every N (its fixed-point sum is
+        # no number: pmax would pick -inf at some sizes and NaN at others).
+        return jnp.where(bad > 0, jnp.asarray(jnp.nan, loss.dtype), loss)
     extra = tuple(a for a in sorted(varying_axes(loss)) if a not in cfg.axis_name)
-    return jax.lax.pmean(loss, cfg.axis_name + extra)
+    loss = jax.lax.pmean(loss, cfg.axis_name + extra)
+    return jnp.where(jnp.isnan(loss), jnp.asarray(jnp.nan, loss.dtype), loss)  # one NaN
 
 
 def unscale(grads: Any, scale: jax.Array) -> Any:

@@ -116,13 +116,15 @@ def guarded_update(
     *,
     clip_grad_norm: float | None,
     loss_scale: LossScale,
+    unit_flags: jax.Array | None = None,
 ) -> tuple[PyTree, PyTree, LossScaleState, StepMetrics, jax.Array]:
     """One optax step on reduced, unscaled ``grads``, skipped if they are not finite.
 
     What the distributed optimizer does for ZeRO, for DDP and FSDP: global-norm
     clip, skip with state unchanged on NaN/Inf, loss-scale update, metrics.
     ``flags_from``: the gradients whose per-leaf NaN/Inf flags the metrics record
-    (the local ones, before the reduction, where the step still has them).
+    (the local ones, before the reduction, where the step still has them);
+    ``unit_flags`` (deterministic mode) flags units instead, as ZeRO does.
 
     Returns:
       ``(params, opt_state, loss_scale, metrics, finite)``.
@@ -138,7 +140,7 @@ def guarded_update(
     params = keep(new_params, state.params)
     opt_state = keep(opt_state, state.opt_state)
     scale = update_loss_scale(loss_scale, state.loss_scale, finite)
-    metrics = next_metrics(state.metrics, flags_from, finite, grad_norm, zeros)
+    metrics = next_metrics(state.metrics, flags_from, finite, grad_norm, zeros, unit_flags)
     return params, opt_state, scale, metrics, finite
 
 

@@ -1,0 +1,225 @@
+"""The whole :class:`jaxsync.TrainState` in one checkpoint, at any data-parallel size.
+
+``Checkpointer.save_state(train_step, state)`` saves every field of the state:
+the step counter, the params, the optimizer state, the model state (flax NNX
+batch statistics, RNG counters) and the guard state (loss scale, skip
+counters and the last step's metrics), in a form that does not depend on the
+number of data-parallel devices:
+
+- ``"ddp"``: everything is replicated already, saved as it is;
+- ``"zero"``: the distributed optimizer's portable form (per-param master and
+  moments; the loss scale and metrics are in it);
+- ``"fsdp"``: the flat unit shards, and every optimizer-state dict of them,
+  gathered into per-param arrays (fp32, without padding).
+
+``Checkpointer.restore_state(train_step, state_like)`` rebuilds the state for
+the step's mesh, whatever its DP size, into the shardings of ``state_like``
+(the state ``train_step.init`` returns, or ``train_step.abstract_state``'s).
+What the checkpoint lacks is named, never re-initialised.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from .checksum import tree_checksums
+from .describe import describe_optimizer, optimizer_differences
+from .train_state import TrainState
+
+PyTree = Any
+
+#: The record's key for a whole-state checkpoint.
+WHOLE_STATE = "train_state"
+_VERSION = 1
+
+NOT_WHOLE_STATE = (
+    "checkpoint step {step} in {dir} was saved with `Checkpointer.save` (params and "
+    "optimizer state only), not `save_state`: restore it with `Checkpointer.restore`."
+)
+MODE_CHANGED = (
+    "checkpoint step {step} in {dir} holds a mode={saved!r} TrainState, and the step "
+    "restoring it has mode={now!r}. Restore with a step built with mode={saved!r}."
+)
+PARTS_MISSING = (
+    "checkpoint step {step} in {dir} does not hold the whole state this step needs "
+    "(saved vs now):\n{problems}\nNothing was re-initialised. Restore with the model, mode "
+    "and options the run was saved with (the data-parallel size may differ)."
+)
+
+
+class RestoredState(NamedTuple):
+    """What :meth:`Checkpointer.restore_state` returns."""
+
+    step: int
+    state: TrainState
+    extra: PyTree
+    meta: dict[str, Any]
+
+
+def _is_unit_dict(fs: Any) -> Any:
+    units = set(fs.units)
+    return lambda x: isinstance(x, dict) and set(x) == units and len(units) > 0
+
+
+def _keys_to_data(tree: PyTree) -> PyTree:
+    """Typed PRNG keys (NNX RNG state) as their key data, which orbax can write."""
+    is_key = lambda x: jax.dtypes.issubdtype(getattr(x, "dtype", None), jax.dtypes.prng_key)  # noqa: E731
+    return jax.tree.map(lambda x: jax.random.key_data(x) if is_key(x) else x, tree)
+
+
+def _data_to_keys(tree: PyTree, like: PyTree) -> PyTree:
+    def one(x: Any, ref: Any) -> Any:
+        if jax.dtypes.issubdtype(ref.dtype, jax.dtypes.prng_key):
+            return jax.random.wrap_key_data(x, impl=jax.random.key_impl(ref))
+        return x
+
+    return jax.tree.map(one, tree, like)
+
+
+def to_portable(ts: Any, state: TrainState, fn: str) -> dict[str, Any]:
+    """``state`` as per-param arrays independent of the DP size."""
+    plan = ts._plan(state, fn)
+    params, opt = state.params, state.opt_state
+    if ts.mode == "zero":
+        opt = plan.tx.to_portable(opt, params, ts.mesh)
+    elif ts.mode == "fsdp":
+        fs = plan.fs
+        params = fs.unshard(params, ts.mesh)
+        opt = jax.tree.map(
+            lambda d: fs.unshard(d, ts.mesh) if _is_unit_dict(fs)(d) else d,
+            opt,
+            is_leaf=_is_unit_dict(fs),
+        )
+    return {
+        "step": state.step,
+        "params": params,
+        "opt_state": opt,
+        "model_state": _keys_to_data(state.model_state),
+        "guard": {} if state.guard is None else state.guard,
+    }
+
+
+def portable_like(ts: Any, like: TrainState, fn: str) -> dict[str, Any]:
+    """The abstract form (``ShapeDtypeStruct``s with shardings) of :func:`to_portable`'s
+    result for ``like``, which may itself be abstract (``TrainStep.abstract_state``)."""
+    plan = ts._plan(like, fn)
+    sds = lambda x, s=None: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s or x.sharding)  # noqa: E731
+    params, opt = jax.tree.map(sds, like.params), jax.tree.map(sds, like.opt_state)
+    if ts.mode == "zero":
+        opt = plan.tx.portable_shapes(like.params, ts.mesh)
+    elif ts.mode == "fsdp":
+        fs, rep = plan.fs, NamedSharding(ts.mesh, P())
+        full = jax.tree.map(lambda t: jax.ShapeDtypeStruct(t.shape, jnp.float32, sharding=rep),
+                            plan.template)  # fmt: skip
+        params = full
+        opt = jax.tree.map(
+            lambda d: full if _is_unit_dict(fs)(d) else d, opt, is_leaf=_is_unit_dict(fs)
+        )
+    model_state = jax.tree.map(
+        lambda x: sds(jax.eval_shape(jax.random.key_data, x), x.sharding)
+        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else sds(x),
+        like.model_state,
+    )  # fmt: skip
+    return {
+        "step": sds(like.step),
+        "params": params,
+        "opt_state": opt,
+        "model_state": model_state,
+        "guard": {} if like.guard is None else jax.tree.map(sds, like.guard),
+    }
+
+
+def from_portable(ts: Any, portable: dict[str, Any], like: TrainState, fn: str) -> TrainState:
+    """Inverse of :func:`to_portable` onto ``like``'s mesh and shardings."""
+    plan = ts._plan(like, fn)
+    params, opt = portable["params"], portable["opt_state"]
+    if ts.mode == "zero":
+        opt = plan.tx.from_portable(opt, params, ts.mesh)
+    elif ts.mode == "fsdp":
+        fs = plan.fs
+        params = fs.shard(params, ts.mesh)
+        is_params = lambda x: jax.tree.structure(x) == jax.tree.structure(plan.template)  # noqa: E731
+        opt = jax.tree.map(
+            lambda d: fs.shard(d, ts.mesh) if is_params(d) else d,
+            opt,
+            is_leaf=lambda x: isinstance(x, dict) and is_params(x),
+        )
+    guard = None if like.guard is None else type(like.guard)(*portable["guard"])
+    if guard is not None:
+        guard = jax.tree.unflatten(jax.tree.structure(like.guard), jax.tree.leaves(guard))
+    model_state = _data_to_keys(portable["model_state"], like.model_state)
+    state = TrainState(portable["step"], params, opt, model_state, guard)
+    state = jax.tree.unflatten(jax.tree.structure(like), jax.tree.leaves(state))
+    return jax.tree.map(lambda x, ref: jax.device_put(x, ref.sharding), state, like)
+
+
+def save_state(
+    ckpt: Any,
+    ts: Any,
+    state: TrainState,
+    *,
+    step: int | None,
+    extra: PyTree,
+    meta: dict[str, Any] | None,
+) -> None:
+    fn = "Checkpointer.save_state"
+    portable = to_portable(ts, state, fn)
+    step = int(state.step) if step is None else step
+    step, meta = ckpt._check_save(step, meta)
+    tx = ts._plan(state, fn).tx if ts.mode == "zero" else None
+    tree = {**portable, "extra": extra or {}}
+    checks = {
+        "version": 1,
+        WHOLE_STATE: {"version": _VERSION, "mode": ts.mode},
+        "optimizer": describe_optimizer(tx, state.params, portable["opt_state"]),
+        "checksums": tree_checksums(tree),
+    }
+    ckpt._write(step, tree, meta, checks)
+
+
+def restore_state(
+    ckpt: Any,
+    ts: Any,
+    state_like: TrainState,
+    *,
+    step: int | None,
+    extra_like: PyTree,
+) -> RestoredState:
+    from .checkpoint import CheckpointMismatchError, compare_trees
+
+    fn = "Checkpointer.restore_state"
+    step = ckpt._complete_step(step)
+    checks, saved = ckpt._record(step)
+    record = (checks or {}).get(WHOLE_STATE)
+    if record is None:
+        raise CheckpointMismatchError(NOT_WHOLE_STATE.format(step=step, dir=ckpt.directory))
+    if record.get("mode") != ts.mode:
+        raise CheckpointMismatchError(
+            MODE_CHANGED.format(
+                step=step, dir=ckpt.directory, saved=record.get("mode"), now=ts.mode
+            )
+        )
+    like = portable_like(ts, state_like, fn)
+    extra = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
+        extra_like or {},
+    )
+    target = {**like, "extra": extra}
+    tx = ts._plan(state_like, fn).tx if ts.mode == "zero" else None
+    changed = optimizer_differences(
+        checks.get("optimizer", {}), describe_optimizer(tx, state_like.params, like["opt_state"])
+    )
+    problems = compare_trees(saved, target) or changed
+    if problems:
+        raise CheckpointMismatchError(
+            PARTS_MISSING.format(step=step, dir=ckpt.directory, problems="\n".join(problems))
+        )
+    tree = ckpt._read(step, target, checks, saved)
+    meta = ckpt._read_json(step, "meta", "meta (JSON)")
+    state = from_portable(ts, tree, state_like, fn)
+    return RestoredState(step, state, tree["extra"], dict(meta or {}))
