@@ -69,7 +69,7 @@ from jaxsync._src.schedule import ComputationTiming as ComputationTiming
 from jaxsync._src.schedule import ScheduleReport as ScheduleReport
 from jaxsync._src.schedule import schedule_report as schedule_report
 from jaxsync._src.step import TrainStep as TrainStep
-from jaxsync._src.step import train_step as train_step
+from jaxsync._src.step_builder import train_step as train_step
 from jaxsync._src.train_state import TrainState as TrainState
 from jaxsync._src.train_state_checkpoint import RestoredState as RestoredState
 
