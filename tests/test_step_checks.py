@@ -83,6 +83,28 @@ def test_integer_params_are_refused_in_every_mode(mesh, mode):
         step.init(dict(PARAMS, n=jnp.arange(3)))
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_params_sharded_over_a_non_data_axis_are_refused(mode):
+    """Tensor-parallel specs over "model" used to be re-placed replicated: the "model"
+    devices silently repeated the same work."""
+    require_devices(8)
+    mesh2 = jax.make_mesh((4, 2), ("data", "model"))
+    sharding = jax.sharding.NamedSharding(mesh2, jax.sharding.PartitionSpec(None, "model"))
+    tp = dict(PARAMS, w=jax.device_put(PARAMS["w"], sharding))
+    step = jaxsync.train_step(mse, optax.sgd(0.1), mesh2, mode=mode)
+    with pytest.raises(ValueError, match=r"param w .*P\(None, 'model'\).*\('model',\)"):
+        step.init(tp)
+    abstract = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tp
+    )
+    with pytest.raises(ValueError, match="param w"):
+        step.abstract_state(abstract)
+    # replicated, or sharded over the data axis only, is what the modes honour
+    data = jax.sharding.NamedSharding(mesh2, jax.sharding.PartitionSpec("data"))
+    state = step.init(dict(PARAMS, w=jax.device_put(PARAMS["w"], data)))
+    np.testing.assert_array_equal(step.params(state)["w"], PARAMS["w"])
+
+
 @pytest.mark.parametrize("mode", ("ddp", "fsdp"))
 def test_integer_nnx_param_is_named(mesh, mode):
     from flax import nnx

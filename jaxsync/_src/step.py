@@ -47,6 +47,7 @@ from .step_checks import (
     batch_rows,
     check_deterministic_state,
     check_float_params,
+    check_param_shardings,
     check_processes_at_init,
     check_processes_first_step,
     check_state_alive,
@@ -149,6 +150,7 @@ class TrainStep:
                 f"{fn}: `params` must be a non-empty pytree of arrays or an nnx.Module; {what}."
             )
         check_float_params(params, self.mode, fn)
+        check_param_shardings(params, self.axis_name, fn)
         check_deterministic_state(self.deterministic, rest, self.mode, fn)
         return model, params, rest
 

@@ -129,6 +129,36 @@ def checked_labels(labels: Any, inner: dict[str, Any]) -> Any:
     return labels_of
 
 
+MODEL_AXIS_SPEC = (
+    "{fn}: param {param} (shape {shape}) carries the sharding {spec}, over mesh axes {other} "
+    "that are not the data-parallel axes {axes}. train_step runs every param replicated "
+    "outside the data axes, so it would drop that sharding and every device along {other} "
+    "would repeat the same work (tensor parallelism by specs is not supported by "
+    "train_step yet). Pass the params replicated (or sharded over {axes} only) and a mesh of "
+    "the data axes, or write the step on the explicit path (jax.shard_map with "
+    "`param_specs=` for distributed_optimizer, and your model's collectives over {other})."
+)
+
+
+def check_param_shardings(params: PyTree, axes: tuple[str, ...], fn: str) -> None:
+    """A param sharded over a non-data axis is an error, never silently replicated."""
+    for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
+        sharding = getattr(x, "sharding", None)
+        spec = getattr(sharding, "spec", None)
+        if spec is None:
+            continue
+        used = [a for entry in spec if entry is not None
+                for a in (entry if isinstance(entry, tuple) else (entry,))]  # fmt: skip
+        other = [a for a in used if a not in axes]
+        if other:
+            raise ValueError(
+                MODEL_AXIS_SPEC.format(
+                    fn=fn, param=param_name(path), shape=tuple(np.shape(x)), spec=spec,
+                    other=tuple(other), axes=axes,
+                )
+            )  # fmt: skip
+
+
 def check_float_params(params: PyTree, mode: str, fn: str) -> None:
     """Integer params cannot be trained in any mode."""
     for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
