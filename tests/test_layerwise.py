@@ -273,3 +273,83 @@ def test_clipping_counts_every_owned_matrix_once(mesh8):
     norm = optax.tree.norm(jax.grad(loss)(prev, (xs[-1], ys[-1])))
     assert float(state.metrics.grad_norm) > 0.05
     np.testing.assert_allclose(state.metrics.grad_norm, norm, rtol=1e-5)
+
+
+# ------------------------------------------------------------------ memory
+def owned_bytes(state, device, buffer):
+    return state_bytes_on_device((state.master[buffer], state.inner_state[buffer]), device)
+
+
+def test_memory_is_one_nth_of_replicated_muon(mesh8):
+    # 16 equal 64x64 matrices on 8 ranks: 2 whole matrices each, no imbalance
+    params = {f"w{i}": jnp.ones((64, 64)) for i in range(16)}
+    muon = optax.contrib.muon(0.02)
+    tx = jaxsync.distributed_optimizer(jaxsync.whole_matrices(muon), axis_name="data")
+    state = tx.sharded_init(params, mesh8)
+    rep = jaxsync.ownership_report(tx, params, mesh8)
+    assert rep.imbalance == 1.0 and rep.shard_elements == 2 * 64 * 64
+    layout = tx.layout(params, mesh8)
+    assert [len(u) for u in owned_units(layout, 0)] == [2] * 8
+    replicated = jax.device_put(muon.init(params), jax.sharding.NamedSharding(mesh8, P()))
+    rep_bytes = state_bytes_on_device(replicated, jax.devices()[0])
+    # optax keeps one momentum per matrix plus a few scalars per tree (two step
+    # counts, the Newton-Schulz coefficients); each owned matrix has its own scalars
+    scalars = rep_bytes - 16 * 64 * 64 * 4
+    assert 0 < scalars <= 32
+    for d in jax.devices():
+        # fp32 master of its 2 matrices + 1/8 of replicated Muon's momenta
+        assert owned_bytes(state, d, 0) == 2 * 64 * 64 * 4 + (rep_bytes - scalars) // 8 + 2 * scalars
+
+
+def test_memory_follows_the_cost_balanced_assignment(mesh8):
+    # uneven shapes: the per-device figure is the largest rank's shard (all ranks pad to it)
+    shapes = [(96, 64), (64, 64), (64, 32), (48, 48), (32, 32), (32, 16), (16, 16), (8, 64)] * 2
+    params = {f"w{i:02d}": jnp.ones(s) for i, s in enumerate(shapes)}
+    tx = jaxsync.distributed_optimizer(
+        jaxsync.whole_matrices(optax.contrib.muon(0.02)), axis_name="data"
+    )
+    state = tx.sharded_init(params, mesh8)
+    rep = jaxsync.ownership_report(tx, params, mesh8)
+    total = sum(math.prod(s) for s in shapes)
+    assert sum(rep.elements) == total and rep.shard_elements == max(rep.elements)
+    # LPT on cost: the largest rank's cost is within 4/3 of a lower bound of the best
+    # possible (here the biggest matrix alone outweighs the mean load, so it is met)
+    best = max(max(m.cost for m in rep.matrices), sum(rep.loads) / 8)
+    assert max(rep.loads) == best and rep.imbalance == best / (sum(rep.loads) / 8)
+    plan = state_plan(tx.layout(params, mesh8), 0, tx.__dict__["config"].inner)
+    state_elems = sum(n * jnp.dtype(d).itemsize for d, n in plan.sizes)
+    for d in jax.devices():
+        assert owned_bytes(state, d, 0) == rep.shard_elements * 4 + state_elems
+    # state: mu is one fp32 per owned element, padded to the largest rank's
+    f32 = dict(plan.sizes)["float32"]
+    assert rep.shard_elements <= f32 <= rep.shard_elements + 16 * 8
+    assert rep.shard_elements <= rep.memory_imbalance * total / 8 + 1
+
+
+# ------------------------------------------------------------------ checkpoint
+def test_portable_state_restores_on_fewer_ranks(mesh8):
+    params, batches, loss, stacked = model("scanned", jnp.float32)
+    tx, _ = build("muon", stacked)
+    full, _ = run_zero(mesh8, tx, params, batches, loss, stacked, steps=6)
+
+    half, state = run_zero(mesh8, tx, params, batches, loss, stacked, steps=3)
+    portable = tx.to_portable(state, half, mesh8)
+    # per param, whatever the DP size: the master and Muon's momentum of every layer
+    owned = [k for k in portable["inner_state"] if k.endswith("owned")]
+    (key,) = owned
+    mu = jax.tree.leaves(portable["inner_state"][key]["blocks.w1"])
+    assert (4, 16, 24) in [tuple(x.shape) for x in mu]
+    assert portable["master"]["blocks.w1"].shape == (4, 16, 24)
+
+    mesh4 = mesh_of(4)
+    rep8, rep4 = (jaxsync.ownership_report(tx, params, m) for m in (mesh8, mesh4))
+    assert len(rep8.loads) == 8 and len(rep4.loads) == 4  # ownership recomputed
+    state4 = tx.from_portable(portable, half, mesh4)
+    back = tx.to_portable(state4, half, mesh4)
+    jax.tree.map(np.testing.assert_array_equal, back, portable)
+    half4 = jax.device_put(half, jax.sharding.NamedSharding(mesh4, P()))
+    step = zero_step(mesh4, tx, half4, loss, stacked)
+    for i in range(3, 6):
+        batch = jaxsync.shard_batch((batches[0][i], batches[1][i]), mesh4)
+        half4, state4 = step(half4, state4, batch)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, **FP32), full, half4)
