@@ -298,7 +298,9 @@ def test_memory_is_one_nth_of_replicated_muon(mesh8):
     assert 0 < scalars <= 32
     for d in jax.devices():
         # fp32 master of its 2 matrices + 1/8 of replicated Muon's momenta
-        assert owned_bytes(state, d, 0) == 2 * 64 * 64 * 4 + (rep_bytes - scalars) // 8 + 2 * scalars
+        assert (
+            owned_bytes(state, d, 0) == 2 * 64 * 64 * 4 + (rep_bytes - scalars) // 8 + 2 * scalars
+        )
 
 
 def test_memory_follows_the_cost_balanced_assignment(mesh8):
@@ -356,3 +358,102 @@ def test_checkpoint_saved_on_8_restores_on_4(mesh8, tmp_path):
         batch = jaxsync.shard_batch((batches[0][i], batches[1][i]), mesh4)
         half4, state4 = step(half4, state4, batch)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, **FP32), full, half4)
+
+
+# ------------------------------------------------------------------ the rest of the optimizer
+def test_train_step_zero_with_labels(mesh8):
+    params, batches, loss, stacked = model("scanned", jnp.float32)
+    muon, adamw = muon_pair()
+    step = jaxsync.train_step(
+        loss,
+        {"muon": jaxsync.whole_matrices(muon), "adamw": adamw},
+        mesh8,
+        mode="zero",
+        labels=partial(jaxsync.muon_labels, stacked=stacked),
+        stacked=stacked,
+        clip_grad_norm=1.0,
+    )
+    state = step.init(params)
+    for i in range(4):
+        state, _ = step(state, (np.asarray(batches[0][i]), np.asarray(batches[1][i])))
+    four = jax.tree.map(lambda x: x[:4], batches)
+    want, _ = reference("muon", "scanned", jnp.float32, clip=1.0, batches=four)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, **FP32), want, step.params(state))
+
+
+def test_nonfinite_step_is_skipped_and_named(mesh8):
+    params = {"a": jnp.ones((4, 4)), "b": jnp.ones((4, 4)) * 0.5}
+
+    def loss(p, batch):
+        x, y = batch
+        return jnp.mean(x @ p["a"]) + jnp.mean(jnp.sqrt(y) @ p["b"])  # sqrt(<0): NaN
+
+    scaler = jaxsync.DynamicLossScale(initial_scale=4.0, min_scale=1.0, hysteresis=1)
+    tx = jaxsync.distributed_optimizer(
+        jaxsync.whole_matrices(optax.contrib.muon(0.1)), axis_name="data", loss_scale=scaler
+    )
+    step = zero_step(mesh8, tx, params, loss, None)
+    x, y = jnp.ones((16, 4)), jnp.ones((16, 4))
+    bad = (x, y.at[7, 0].set(-1.0))  # row 7: rank 3
+    state0 = tx.sharded_init(params, mesh8)
+    good_p, good_s = step(params, state0, jaxsync.shard_batch((x, y), mesh8))
+    p, state = good_p, good_s
+    for _ in range(2):
+        p, state = step(p, state, jaxsync.shard_batch(bad, mesh8))
+    m = state.metrics
+    assert bool(m.skipped) and int(m.skipped_steps) == 2
+    np.testing.assert_array_equal(m.nonfinite_devices, [0, 1])
+    np.testing.assert_array_equal(m.first_nonfinite_device, [-1, 3])
+    assert "b on 1 device(s), first on device 3" in jaxsync.nonfinite_report(state, params, mesh8)
+    jax.tree.map(np.testing.assert_array_equal, p, good_p)  # nothing applied
+    # the owners' master and packed Muon state are those after the good step
+    jax.tree.map(np.testing.assert_array_equal, state.master, good_s.master)
+    jax.tree.map(np.testing.assert_array_equal, state.inner_state, good_s.inner_state)
+    assert float(state.loss_scale.scale) == 1.0
+
+
+def test_probe_rejects_muon_on_flat_shards_and_names_the_route(mesh8):
+    params = mlp_params(jax.random.PRNGKey(0))
+    tx = jaxsync.distributed_optimizer(optax.contrib.muon(0.02), axis_name="data")
+    with pytest.raises(ValueError, match="not elementwise") as e:
+        tx.sharded_init(params, mesh8)
+    assert "jaxsync.whole_matrices" in str(e.value) and "labels=" in str(e.value)
+
+
+def test_deterministic_mode_rejects_owned_params():
+    with pytest.raises(NotImplementedError, match=r"whole_matrices.*labels \['muon'\]"):
+        jaxsync.distributed_optimizer(
+            {"muon": jaxsync.whole_matrices(optax.contrib.muon(0.02)), "adamw": optax.adamw(1)},
+            labels=jaxsync.muon_labels,
+            axis_name="data",
+            deterministic=jaxsync.Deterministic(units=8),
+        )
+
+
+def test_muon_labels_default_routing():
+    params = {
+        "embed": jnp.zeros((50, 8)),
+        "blocks": {"w": jnp.zeros((3, 8, 8)), "norm": jnp.zeros((3, 8))},
+        "proj": {"kernel": jnp.zeros((8, 8)), "bias": jnp.zeros((8,))},
+        "lm_head": jnp.zeros((8, 50)),
+    }
+    assert jaxsync.muon_labels(params, stacked="blocks") == {
+        "embed": "adamw",
+        "blocks": {"w": "muon", "norm": "adamw"},
+        "proj": {"kernel": "muon", "bias": "adamw"},
+        "lm_head": "adamw",
+    }
+    # without `stacked`, a [L, m, n] stack is not a matrix
+    assert jaxsync.muon_labels(params)["blocks"] == {"w": "adamw", "norm": "muon"}
+
+
+def test_owned_params_must_not_be_sharded_over_other_axes():
+    mesh = jax.make_mesh((4, 2), ("data", "model"))
+    params = {
+        "w": jax.device_put(jnp.zeros((8, 8)), jax.sharding.NamedSharding(mesh, P(None, "model")))
+    }
+    tx = jaxsync.distributed_optimizer(
+        jaxsync.whole_matrices(optax.contrib.muon(0.02)), axis_name="data"
+    )
+    with pytest.raises(ValueError, match=r"param \['w'\].*\(8, 4\).*\('model',\)"):
+        tx.state_specs(params, mesh)

@@ -42,7 +42,7 @@ NOT_ELEMENTWISE = (
     "Shampoo) cannot run on flat shards: with `jaxsync.distributed_optimizer`, route "
     "their params by `labels=` to `jaxsync.whole_matrices(tx)` (each matrix is then "
     "owned whole by one rank; for Muon e.g. `labels=jaxsync.muon_labels` with "
-    "`{'muon': jaxsync.whole_matrices(optax.contrib.muon(lr)), 'adamw': optax.adamw(lr)}`). "
+    "`{{'muon': jaxsync.whole_matrices(optax.contrib.muon(lr)), 'adamw': optax.adamw(lr)}}`). "
     "To skip this check (at your own risk) pass `check_elementwise=False`."
 )
 PROBE_FAILED = (
