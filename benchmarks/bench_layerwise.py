@@ -301,7 +301,10 @@ def main() -> None:
     )
     results = {name: run(v, a.steps) for name, v in variants.items()}
     base = results["replicated"]["ms"]
-    head = f"{'variant':<11} {'ms/step':>8} {'x repl':>7} {'state MiB/dev':>14} {'compile s':>10}  collectives (count:MiB)"
+    head = (
+        f"{'variant':<11} {'ms/step':>8} {'x repl':>7} {'state MiB/dev':>14} "
+        f"{'compile s':>10}  collectives (count:MiB)"
+    )
     print(head)
     for name, r in results.items():
         mib = variants[name].state_bytes / 2**20

@@ -167,7 +167,11 @@ def distributed_optimizer(
 
     Args:
       inner: an elementwise optax transformation, or a mapping label ->
-        transformation used with ``labels``.
+        transformation used with ``labels``. A transformation wrapped in
+        :func:`jaxsync.whole_matrices` (Muon, Adafactor, Shampoo...) runs on
+        whole matrices instead: each of its params, or each layer of a stacked
+        param, is owned by one rank (balanced by cost; see
+        :func:`jaxsync.ownership_report`).
       axis_name: data-parallel mesh axis name (or tuple of names) to shard over.
       labels: a pytree of label strings shaped like the params, or a function of
         the params returning one (as ``optax.multi_transform``); params with
