@@ -361,7 +361,8 @@ def test_checkpoint_saved_on_8_restores_on_4(mesh8, tmp_path):
 
 
 # ------------------------------------------------------------------ the rest of the optimizer
-def test_train_step_zero_with_labels(mesh8):
+@pytest.mark.parametrize("microbatches", [1, 2])
+def test_train_step_zero_with_labels(mesh8, microbatches):
     params, batches, loss, stacked = model("scanned", jnp.float32)
     muon, adamw = muon_pair()
     step = jaxsync.train_step(
@@ -372,6 +373,7 @@ def test_train_step_zero_with_labels(mesh8):
         labels=partial(jaxsync.muon_labels, stacked=stacked),
         stacked=stacked,
         clip_grad_norm=1.0,
+        microbatches=microbatches,  # 2: the owned layers' gradients accumulate too
     )
     state = step.init(params)
     for i in range(4):
@@ -457,3 +459,16 @@ def test_owned_params_must_not_be_sharded_over_other_axes():
     )
     with pytest.raises(ValueError, match=r"param \['w'\].*\(8, 4\).*\('model',\)"):
         tx.state_specs(params, mesh)
+
+
+def test_any_per_param_optimizer_runs_whole_lamb(mesh8):
+    # lamb's trust ratio needs each param's norm: not elementwise, but per param
+    params, batches, loss, stacked = model("scanned", jnp.float32)
+    lamb = optax.lamb(1e-2, weight_decay=0.01)
+    tx = jaxsync.distributed_optimizer(
+        jaxsync.whole_matrices(lamb, cost="elementwise"), axis_name="data", stacked=stacked
+    )
+    got, _ = run_zero(mesh8, tx, params, batches, loss, stacked, steps=5)
+    five = jax.tree.map(lambda x: x[:5], batches)
+    want, _ = run_reference(unrolled(lamb)[0], params, five, loss)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, **FP32), want, got)
