@@ -56,13 +56,17 @@ class LeafAt(NamedTuple):
 def owned_units(layout: Layout, buffer: int) -> tuple[tuple[Unit, ...], ...]:
     """Per rank, its units in shard order."""
     buf = layout.buffers[buffer]
-    shard = layout.shard_size(buffer)
-    per_rank: list[list[Unit]] = [[] for _ in range(buf.num_shards)]
+    n = buf.num_shards
+    offsets = layout.bucket_shard_offsets(buffer)
+    per_rank: list[list[Unit]] = [[] for _ in range(n)]
     for si in buf.slots:
         slot = layout.slots[si]
         for start, layer in slot.spans():
             shape = slot.row_shape if layer is not None else slot.shape
-            per_rank[start // shard].append(Unit(si, layer, shape, start % shard))
+            b = next(k for k, bk in enumerate(buf.buckets) if bk.start <= start < bk.end)
+            piece = buf.buckets[b].size // n
+            r, off = divmod(start - buf.buckets[b].start, piece)
+            per_rank[r].append(Unit(si, layer, shape, offsets[b] + off))
     return tuple(tuple(sorted(u, key=lambda x: x.offset)) for u in per_rank)
 
 

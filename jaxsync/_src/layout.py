@@ -283,7 +283,11 @@ class Layout:
                     slot = self.slots[si]
                     if slot.pieces:  # an owned stacked leaf: one piece per layer
                         rows_of = jnp.reshape(leaves[si], (slot.layers, slot.size)).astype(dt)
-                        pieces += [(p, rows_of[layer]) for p, layer in slot.spans()]
+                        pieces += [
+                            (p, rows_of[layer])
+                            for p, layer in slot.spans()
+                            if bucket.start <= p < bucket.end
+                        ]
                     else:
                         x = jnp.reshape(leaves[si], (*lead, slot.size)).astype(dt)
                         pieces.append((slot.start, x))
@@ -309,23 +313,26 @@ class Layout:
     ) -> dict[int, jax.Array]:
         """Inverse of :meth:`pack_leaves`: ``{slot index: leaf}`` of those buffers."""
         leaves = {}
+        rows_by_slot: dict[int, dict[int, jax.Array]] = {}
         for bi, arrays in zip(buffers, buckets, strict=True):
             buf = self.buffers[bi]
             for bucket, arr in zip(buf.buckets, arrays, strict=True):
                 for si in bucket.slots:
                     slot = self.slots[si]
-                    if slot.pieces:
-                        rows_of = [
-                            arr[..., p - bucket.start : p - bucket.start + slot.size]
-                            for p in slot.pieces
-                        ]
-                        leaves[si] = jnp.stack(rows_of).reshape(slot.shape)
-                        leaves[si] = leaves[si].astype(dtype or slot.dtype)
+                    if slot.pieces:  # owned layers may lie in several buckets
+                        for layer, p in enumerate(slot.pieces):
+                            if bucket.start <= p < bucket.end:
+                                lo = p - bucket.start
+                                rows_by_slot.setdefault(si, {})[layer] = arr[lo : lo + slot.size]
                         continue
                     lo = slot.start - bucket.start
                     shape = slot.row_shape if rows else slot.shape
                     piece = arr[..., lo : lo + slot.size].reshape(shape)
                     leaves[si] = piece.astype(dtype or slot.dtype)
+        for si, by_layer in rows_by_slot.items():
+            slot = self.slots[si]
+            stacked = jnp.stack([by_layer[k] for k in range(slot.layers)]).reshape(slot.shape)
+            leaves[si] = stacked.astype(dtype or slot.dtype)
         return leaves
 
     def pack(self, tree: PyTree, dtype: Any = None) -> tuple[tuple[jax.Array, ...], ...]:

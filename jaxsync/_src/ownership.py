@@ -105,13 +105,16 @@ def whole_matrices(inner: optax.GradientTransformation, *, cost: Cost = "muon") 
     return WholeMatrices(inner, cost)
 
 
-def lpt(costs: Sequence[float], num_ranks: int) -> tuple[int, ...]:
+def lpt(
+    costs: Sequence[float], num_ranks: int, loads: Sequence[float] | None = None
+) -> tuple[int, ...]:
     """Owner of each item by LPT: largest cost first, onto the least loaded rank.
 
     Ties go to the earlier item and the lower rank, so every host computes the
-    same assignment. LPT is within 4/3 of the optimal makespan.
+    same assignment. LPT is within 4/3 of the optimal makespan. ``loads``: what
+    each rank carries already (earlier buckets).
     """
-    loads = [0.0] * num_ranks
+    loads = [0.0] * num_ranks if loads is None else list(loads)
     owners = [0] * len(costs)
     for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
         r = min(range(num_ranks), key=lambda r: (loads[r], r))
@@ -124,13 +127,21 @@ Spec = tuple[str, tuple[int, ...], str, BufferKey, int]  # name, shape, dtype, k
 
 
 def place_owned(
-    specs: Sequence[Spec], members: Sequence[int], buffer: int, num_shards: int
+    specs: Sequence[Spec],
+    members: Sequence[int],
+    buffer: int,
+    num_shards: int,
+    bucket_size: int | None = None,
 ) -> tuple[dict[int, ParamSlot], Buffer]:
     """Slots and buffer of an owned buffer: each matrix whole in its owner's shard.
 
-    ``members`` index ``specs`` in placement order (reverse tree order). A member
-    with ``layers > 0`` contributes one matrix per layer. Each rank's matrices
-    keep that order inside its shard; every shard is padded to the largest.
+    ``members`` index ``specs`` in placement order (reverse tree order: backprop
+    order). A member with ``layers > 0`` contributes one matrix per layer.
+    Buckets take consecutive matrices in that order (closing at ``bucket_size``
+    elements and at least one matrix per rank; None: one bucket), so the first
+    bucket's gradients are ready first. Inside a bucket, LPT assigns owners against the loads of all buckets
+    so far (the whole assignment stays balanced), each rank's matrices lie
+    contiguous in its piece of the bucket, and pieces are padded to the largest.
     """
     key = specs[members[0]][3]
     cost = cost_fn(key.owned)
@@ -141,28 +152,50 @@ def place_owned(
             units += [(i, layer, shape[1:]) for layer in range(layers)]
         else:
             units.append((i, None, shape))
-    owners = lpt([cost(u[2]) for u in units], num_shards)
-    fill = [0] * num_shards
-    offset = []
-    for (_, _, shape), r in zip(units, owners, strict=True):
-        offset.append(fill[r])
-        fill[r] += math.prod(shape)
-    shard = max(max(fill), 1)
+    groups, current, fill = [], [], 0
+    for u in units:
+        current.append(u)
+        fill += math.prod(u[2])
+        # A bucket holds at least one matrix per rank: fewer would leave ranks
+        # with nothing but padding in it (memory and all-gather bytes).
+        if bucket_size is not None and fill >= bucket_size and len(current) >= num_shards:
+            groups.append(current)
+            current, fill = [], 0
+    if current and groups and len(current) < num_shards:
+        groups[-1] += current
+    elif current:
+        groups.append(current)
+    loads = [0.0] * num_shards
     starts: dict[int, list[int]] = {}
-    for (i, _, _), r, off in zip(units, owners, offset, strict=True):
-        starts.setdefault(i, []).append(r * shard + off)
+    buckets, pos, used = [], 0, 0
+    for group in groups:
+        costs = [cost(u[2]) for u in group]
+        owners = lpt(costs, num_shards, loads)
+        fills = [0] * num_shards
+        offsets = []
+        for u, c, r in zip(group, costs, owners, strict=True):
+            loads[r] += c
+            offsets.append(fills[r])
+            fills[r] += math.prod(u[2])
+        piece = max(max(fills), 1)
+        for u, r, off in zip(group, owners, offsets, strict=True):
+            starts.setdefault(u[0], []).append(pos + r * piece + off)
+        members_here = tuple(dict.fromkeys(u[0] for u in group))
+        buckets.append(Bucket(pos, pos + piece * num_shards, members_here))
+        pos += piece * num_shards
+        used += sum(fills)
     slots = {}
     for i in members:
         name, shape, dtype, _, layers = specs[i]
         first = min(starts[i])
+        bucket = next(b for b, bk in enumerate(buckets) if bk.start <= first < bk.end)
         pieces = tuple(starts[i]) if layers else ()
-        slots[i] = ParamSlot(name, i, shape, dtype, buffer, 0, first, layers, pieces)
-    size = shard * num_shards
+        slots[i] = ParamSlot(name, i, shape, dtype, buffer, bucket, first, layers, pieces)
     buf = Buffer(
         key=key,
-        size=size,
-        used=sum(fill),
-        buckets=(Bucket(0, size, tuple(members)),),
+        size=pos,
+        used=used,
+        buckets=tuple(buckets),
         slots=tuple(members),
         num_shards=num_shards,
         layers=0,

@@ -205,7 +205,7 @@ def _build(
     for bi, key in enumerate(keys):
         num_shards = shards_of[key]
         if key.owned is not None:  # whole matrices, each in its owner's shard
-            placed, buf = place_owned(specs, members[key], bi, num_shards)
+            placed, buf = place_owned(specs, members[key], bi, num_shards, bucket_size)
             for i, slot in placed.items():
                 slots[i] = slot
             buffers.append(buf)
