@@ -139,9 +139,10 @@ def place_owned(
     order). A member with ``layers > 0`` contributes one matrix per layer.
     Buckets take consecutive matrices in that order (closing at ``bucket_size``
     elements and at least one matrix per rank; None: one bucket), so the first
-    bucket's gradients are ready first. Inside a bucket, LPT assigns owners against the loads of all buckets
-    so far (the whole assignment stays balanced), each rank's matrices lie
-    contiguous in its piece of the bucket, and pieces are padded to the largest.
+    bucket's gradients are ready first. Inside a bucket, LPT assigns owners
+    against the loads of all buckets so far (the whole assignment stays
+    balanced), each rank's matrices lie contiguous in its piece of the bucket,
+    and pieces are padded to the largest.
     """
     key = specs[members[0]][3]
     cost = cost_fn(key.owned)
