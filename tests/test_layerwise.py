@@ -489,9 +489,10 @@ def test_buckets_follow_backprop_order_and_stay_balanced(mesh8):
     rep = jaxsync.ownership_report(tx, params, mesh8)
     one = jaxsync.ownership_report(build("muon", stacked)[0], params, mesh8)
     # LPT against the loads of all buckets so far: the same balance as one bucket
-    # (measured 1.057 both); each bucket pads its pieces, so memory pays for it
-    assert rep.imbalance == pytest.approx(one.imbalance)
-    assert one.memory_imbalance <= rep.memory_imbalance < 8
+    # (measured 1.019 both); each bucket pads its pieces, so memory pays for it
+    # (measured 1.06 -> 1.32)
+    assert rep.imbalance == pytest.approx(one.imbalance) and rep.imbalance < 1.05
+    assert one.memory_imbalance <= rep.memory_imbalance < 1.5
     # a bucket holds at least one matrix per rank, whatever `bucket_size`
     tiny = build("muon", stacked, bucket_size=1)[0].layout(params, mesh8)
     (own1,) = [b for b in tiny.buffers if b.key.owned is not None]
