@@ -506,3 +506,13 @@ def test_buckets_follow_backprop_order_and_stay_balanced(mesh8):
     )
     stats = jaxsync.collective_stats(compiled.compile().as_text())
     assert stats["reduce-scatter"].count >= len(owned.buckets)
+
+
+def test_whole_matrices_arguments_are_checked():
+    with pytest.raises(ValueError, match=r"`cost` must be one of \['elementwise', 'muon'"):
+        jaxsync.whole_matrices(optax.contrib.muon(0.02), cost="flops")
+    with pytest.raises(TypeError, match="`inner` must be an optax GradientTransformation"):
+        jaxsync.whole_matrices("muon")
+    # a custom cost model: a function of the matrix shape
+    tx = jaxsync.whole_matrices(optax.adafactor(1e-2), cost=lambda s: float(s[0]))
+    assert tx.cost_of((7, 3)) == 7.0
