@@ -4,12 +4,17 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: demo plot test lint bench bench-scan clean
+.PHONY: demo plot test lint bench bench-scan bench-gpu clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[dev,examples]'
+	# The CUDA plugin of the installed jaxlib's exact version: compile-only GPU
+	# meshes for the GPU-target tests and `make bench-gpu` (no GPU or driver needed).
+	if [ "$$(uname -s)-$$(uname -m)" = "Linux-x86_64" ]; then \
+	  v=$$($(PY) -c 'import jaxlib; print(jaxlib.__version__)'); \
+	  $(PY) -m pip install -q "jax-cuda12-plugin==$$v" "jax-cuda12-pjrt==$$v"; fi
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -31,6 +36,10 @@ bench: $(STAMP)
 
 bench-scan: $(STAMP)
 	$(PY) benchmarks/bench_scan.py
+
+# The headline figure: steps compiled for 8 x H100 and priced by XLA (no GPU needed).
+bench-gpu: $(STAMP)
+	$(PY) benchmarks/bench_gpu.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

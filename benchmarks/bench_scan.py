@@ -100,6 +100,11 @@ class Config:
 # ---------------------------------------------------------------------------- model
 def init_params(cfg: Config, seed: int = 0) -> dict[str, Any]:
     """Scanned form (fp32, host numpy): ``blocks`` leaves have a leading layer axis."""
+    return jax.tree.map(np.asarray, device_params(cfg, seed))
+
+
+def device_params(cfg: Config, seed: int = 0) -> dict[str, Any]:
+    """:func:`init_params` as jax arrays (traceable: ``jax.eval_shape`` gives the shapes)."""
     d, L = cfg.d_model, cfg.layers
     ks = iter(jax.random.split(jax.random.PRNGKey(seed), 8))
 
@@ -126,7 +131,7 @@ def init_params(cfg: Config, seed: int = 0) -> dict[str, Any]:
             "w": normal((d, cfg.vocab), d**-0.5),
         },
     }
-    return jax.tree.map(np.asarray, params)
+    return params
 
 
 def block_name(i: int) -> str:
@@ -177,8 +182,9 @@ def head_loss(p, x, targets, *, dtype):
     return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))
 
 
-def scanned_loss(params, tokens, *, heads, dtype, constrain=None):
-    """``constrain``: applied to the activations entering each block (GSPMD's hint)."""
+def scanned_loss(params, tokens, *, heads, dtype, constrain=None, remat_policy=None):
+    """``constrain``: applied to the activations entering each block (GSPMD's hint);
+    ``remat_policy``: the layer body's ``jax.checkpoint`` policy (default: save nothing)."""
     constrain = constrain or (lambda x: x)
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     x = embed_fn(params["embed"], inputs, dtype=dtype)
@@ -187,7 +193,7 @@ def scanned_loss(params, tokens, *, heads, dtype, constrain=None):
         p = jaxsync.tap(p)  # identity outside jaxsync's in-loop sync
         return block_fn(p, constrain(h), heads=heads, dtype=dtype), None
 
-    x, _ = jax.lax.scan(jax.checkpoint(body), x, params["blocks"])
+    x, _ = jax.lax.scan(jax.checkpoint(body, policy=remat_policy), x, params["blocks"])
     return head_loss(params["head"], x, targets, dtype=dtype)
 
 

@@ -23,6 +23,10 @@ from jaxsync._src.finalize import Tied as Tied
 from jaxsync._src.fsdp import FullyShard as FullyShard
 from jaxsync._src.fsdp import fully_shard as fully_shard
 from jaxsync._src.fsdp_gather import MixedPrecision as MixedPrecision
+from jaxsync._src.gpu_target import GPUS as GPUS
+from jaxsync._src.gpu_target import GpuSpec as GpuSpec
+from jaxsync._src.gpu_target import gpu_target_available as gpu_target_available
+from jaxsync._src.gpu_target import gpu_topology as gpu_topology
 from jaxsync._src.grad_sync import accumulate_grads as accumulate_grads
 from jaxsync._src.grad_sync import all_reduce_grads as all_reduce_grads
 from jaxsync._src.grad_sync import broadcast_params as broadcast_params
@@ -64,6 +68,12 @@ from jaxsync._src.routing import ownership_report as ownership_report
 from jaxsync._src.scan_sync import DataParallel as DataParallel
 from jaxsync._src.scan_sync import LayerStack as LayerStack
 from jaxsync._src.scan_sync import tap as tap
+from jaxsync._src.schedule import GPU_PERFORMANCE_OPTIONS as GPU_PERFORMANCE_OPTIONS
+from jaxsync._src.schedule import SCHEDULE_OPTIONS as SCHEDULE_OPTIONS
+from jaxsync._src.schedule import CollectiveTiming as CollectiveTiming
+from jaxsync._src.schedule import ComputationTiming as ComputationTiming
+from jaxsync._src.schedule import ScheduleReport as ScheduleReport
+from jaxsync._src.schedule import schedule_report as schedule_report
 from jaxsync._src.step import TrainStep as TrainStep
 from jaxsync._src.step import train_step as train_step
 from jaxsync._src.train_state import TrainState as TrainState
@@ -71,6 +81,16 @@ from jaxsync._src.train_state import TrainState as TrainState
 __version__ = "0.1.0"
 
 __all__ = [
+    "GPUS",
+    "GPU_PERFORMANCE_OPTIONS",
+    "SCHEDULE_OPTIONS",
+    "CollectiveTiming",
+    "ComputationTiming",
+    "GpuSpec",
+    "ScheduleReport",
+    "gpu_target_available",
+    "gpu_topology",
+    "schedule_report",
     "OwnedMatrix",
     "OwnershipReport",
     "WholeMatrices",

@@ -174,7 +174,12 @@ def test_gradient_collectives_sit_in_the_backward_loop(mesh8, mode, kind):
     free_bytes = sum(b.size for i, b in enumerate(layout.buffers) if i != sb) * 4
     grad_bytes = sum(_array_bytes(s) for c in entry for s in c.shapes)
     assert grad_bytes == (free_bytes // 8 if mode == "zero" else free_bytes), report
-    assert not report.in_loop(role="forward")
+    assert not report.in_loop(kind=kind, role="forward")
+    if mode == "zero":  # the new stacked params are gathered layer by layer, in a loop
+        gathers = [c for c in report.in_loop(kind="all-gather") if c.trip_count == LAYERS]
+        assert sum(c.bytes for c in gathers) == row_bytes, report  # one layer (fp32 params)
+    else:
+        assert not report.in_loop(role="forward")
 
 
 def test_plain_value_and_grad_syncs_after_the_loop(mesh8):

@@ -28,7 +28,7 @@ from .axes import (
     to_varying,
 )
 from .checks import check_optimizer_args, check_update, next_metrics
-from .collectives import bucket_all_gather, bucket_reduce_scatter
+from .collectives import bucket_reduce_scatter, gather_params
 from .deterministic import Deterministic, UnitGrads, check_deterministic
 from .exact_sync import UNIT_GRADS_WITHOUT_MODE, exact_shards
 from .finalize import SyncRules
@@ -51,6 +51,22 @@ class DistributedOptimizer(optax.GradientTransformationExtraArgs):
     axes; use :meth:`state_specs`, :meth:`state_shardings` and
     :meth:`sharded_init` from outside it.
     """
+
+    def apply_gradients(
+        self, grads: PyTree, state: DistributedOptimizerState, params: PyTree
+    ) -> tuple[PyTree, DistributedOptimizerState]:
+        """``update`` and ``optax.apply_updates`` in one: ``(new_params, new_state)``.
+
+        The new params come straight from the all-gather, in their own dtypes, so
+        the step holds no params-sized fp32 ``updates`` and makes no second pass
+        over the params to add them (``update`` returns ``new - params`` in fp32
+        for optax compatibility; both land on the same values).
+        """
+        if params is None:
+            raise ValueError(NEED_PARAMS)
+        return self.__dict__["apply_fn"](
+            grads, state, params, "DistributedOptimizer.apply_gradients"
+        )
 
     def layout(self, params: PyTree, mesh: Mesh, param_specs: PyTree = None) -> Layout:
         """The flat-buffer layout used for (global) ``params`` on ``mesh``.
@@ -286,9 +302,22 @@ def distributed_optimizer(
         del extra
         if params is None:
             raise ValueError(NEED_PARAMS)
-        bound_axes(axes, "distributed_optimizer.update")
+        new, state = apply_fn(grads, state, params, "distributed_optimizer.update")
+        # `new - p` is exact whenever new and p are within a factor of 2 (Sterbenz),
+        # so `apply_updates` lands exactly on the gathered values, and params can
+        # never drift from the master. Done per leaf: flattening the params to
+        # subtract them on flat buffers made the whole step 1.6x slower (CPU).
+        updates = jax.tree.map(
+            lambda n, p: n.astype(jnp.float32) - p.astype(jnp.float32), new, params
+        )
+        return updates, state
+
+    def apply_fn(
+        grads: PyTree, state: DistributedOptimizerState, params: PyTree, fn: str
+    ) -> tuple[PyTree, DistributedOptimizerState]:
+        bound_axes(axes, fn)
         layout = cfg.layout_inside(params)
-        check_update(grads, state, params, layout, cfg, "distributed_optimizer.update")
+        check_update(grads, state, params, layout, cfg, fn)
         inv_scale = 1.0 / state.loss_scale.scale
         if det is not None:
             shards, grad_norm, num_zeros, finite, flags = exact_shards(cfg, layout, grads, state)
@@ -341,6 +370,7 @@ def distributed_optimizer(
 
     tx = DistributedOptimizer(init_fn, update_fn)
     tx.__dict__["config"] = cfg
+    tx.__dict__["apply_fn"] = apply_fn
     return tx
 
 
@@ -356,7 +386,10 @@ def apply_shards(
     finite: jax.Array,
     unit_flags: jax.Array | None = None,
 ) -> tuple[PyTree, DistributedOptimizerState]:
-    """The step after the reduction: clip, inner update on the shard, master, gather."""
+    """The step after the reduction: clip, inner update on the shard, master, gather.
+
+    Returns the new params (gathered, in their own dtypes) and the new state.
+    """
     if cfg.clip_grad_norm is not None:
         # Same arithmetic as optax.clip_by_global_norm, so results match it.
         keep = grad_norm < cfg.clip_grad_norm
@@ -380,19 +413,11 @@ def apply_shards(
         new_master.append(jax.lax.optimization_barrier(master + upd))
         # Gather the new params in their own dtype (bf16: half the bytes).
         out.append(new_master[-1].astype(buf.key.dtype))
-    gathered = layout.unflatten(bucket_all_gather(tuple(out), layout, axis_name=cfg.axes))
-    # `new - p` is exact whenever new and p are within a factor of 2 (Sterbenz),
-    # so `apply_updates` lands exactly on the gathered values, and params can
-    # never drift from the master. Done per leaf: flattening the params to
-    # subtract them on flat buffers made the whole step 1.6x slower (CPU).
-    updates = jax.tree.map(
-        lambda new, p: new.astype(jnp.float32) - p.astype(jnp.float32), gathered, params
-    )
-
+    gathered = gather_params(tuple(out), layout, cfg.axes, params)
     new_state = DistributedOptimizerState(
         master=tuple(new_master),
         inner_state=tuple(new_inner),
         loss_scale=update_loss_scale(cfg.loss_scale, state.loss_scale, finite),
         metrics=next_metrics(state.metrics, grads, finite, grad_norm, num_zeros, unit_flags),
     )
-    return updates, new_state
+    return gathered, new_state

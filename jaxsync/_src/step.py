@@ -89,6 +89,44 @@ class TrainStep:
         (``state.model_state``, kept as the model updates it); the loss function
         then receives the merged module.
         """
+        model, params, rest = self._split(params, nnx_states, "TrainStep.init")
+        # Copies: the step donates the state, which must never delete the caller's
+        # arrays (or the module's, for an nnx.Module).
+        params, rest = _replicated_copy((params, rest), self.mesh)
+        state, plan = self._make(model, params, rest)
+        state = _distinct(state)
+        self._register(state, plan)
+        return state
+
+    def abstract_state(self, params: Any, *nnx_states: Any) -> TrainState:
+        """The state ``init`` would return, as ``jax.ShapeDtypeStruct``s with shardings.
+
+        ``params`` may hold ``jax.ShapeDtypeStruct`` leaves (or be an abstract
+        module from ``nnx.eval_shape``): nothing is allocated, so a step for a mesh
+        of compile-only devices (:func:`jaxsync.gpu_topology`) or for a model too
+        large for this machine can be lowered with :meth:`lower`, compiled, and
+        read (:func:`jaxsync.schedule_report`, ``memory_analysis()``).
+        """
+        model, params, rest = self._split(params, nnx_states, "TrainStep.abstract_state")
+        built: dict[str, Plan] = {}
+
+        def make(params: PyTree, rest: PyTree) -> TrainState:
+            state, built["plan"] = self._make(model, params, rest)
+            return state
+
+        shapes = jax.eval_shape(make, params, rest)
+        plan = built["plan"]
+        state = jax.tree.map(
+            lambda x, spec: jax.ShapeDtypeStruct(
+                x.shape, x.dtype, sharding=NamedSharding(self.mesh, _full_spec(spec, x.ndim))
+            ),
+            shapes, plan.specs,
+        )  # fmt: skip
+        self._register(state, plan)
+        return state
+
+    def _split(self, params: Any, nnx_states: tuple, fn: str) -> tuple[Any, PyTree, PyTree]:
+        """``(model definition or None, params, rest of the model state)``, checked."""
         model, rest = None, {}
         if nnx_states or is_graphdef(params):
             params = merge_split(params, nnx_states)
@@ -99,13 +137,14 @@ class TrainStep:
         if not leaves or bad:
             what = "it is empty" if not leaves else f"leaves {bad[:4]} are not arrays"
             raise TypeError(
-                f"TrainStep.init: `params` must be a non-empty pytree of arrays or an nnx.Module; "
-                f"{what}."
+                f"{fn}: `params` must be a non-empty pytree of arrays or an nnx.Module; {what}."
             )
+        return model, params, rest
+
+    def _make(self, model: Any, params: PyTree, rest: PyTree) -> tuple[TrainState, Plan]:
+        """The state and its plan from replicated ``params`` (traceable: no host reads)."""
         mesh, axes, rep = self.mesh, self.axis_name, NamedSharding(self.mesh, P())
-        # Copies: the step donates the state, which must never delete the caller's
-        # arrays (or the module's, for an nnx.Module).
-        params, rest = _replicated_copy((params, rest), mesh)
+        n_leaves = len(jax.tree.leaves(params))
         template = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
         fs, tx = None, self.tx
         if self.mode == "zero":
@@ -117,12 +156,12 @@ class TrainStep:
             )  # fmt: skip
             opt_state = tx.sharded_init(params, mesh)
             opt_specs = tx.state_specs(params, mesh)
-            param_specs, held, n_flags = jax.tree.map(lambda _: P(), params), params, len(leaves)
+            param_specs, held, n_flags = jax.tree.map(lambda _: P(), params), params, n_leaves
         elif self.mode == "ddp":
             init = jax.shard_map(self.tx.init, mesh=mesh, in_specs=(P(),), out_specs=P())
             opt_state = jax.jit(init)(params)
             opt_specs = jax.tree.map(lambda _: P(), opt_state)
-            param_specs, held, n_flags = jax.tree.map(lambda _: P(), params), params, len(leaves)
+            param_specs, held, n_flags = jax.tree.map(lambda _: P(), params), params, n_leaves
         else:
             fs = fully_shard(
                 params, axis_name=axes, units=self.units or _default_units(params, self.stacked),
@@ -149,11 +188,11 @@ class TrainStep:
             model_state=jax.tree.map(lambda _: P(), rest),
             guard=jax.tree.map(lambda _: P(), guard),
         )  # fmt: skip
-        state = _distinct(state)
-        plan = Plan(model, template, tx, fs, specs, None)  # type: ignore[arg-type]
+        return state, Plan(model, template, tx, fs, specs, None)  # type: ignore[arg-type]
+
+    def _register(self, state: TrainState, plan: Plan) -> None:
         object.__setattr__(plan, "fn", self._build(plan))
         self._plans[signature(state)] = plan
-        return state
 
     # ------------------------------------------------------------------ step
     def __call__(self, state: TrainState, batch: PyTree) -> tuple[TrainState, jax.Array]:
@@ -182,6 +221,8 @@ class TrainStep:
                     f"{self.microbatches}` does not divide. Use a global batch that is a "
                     f"multiple of {n * self.microbatches}."
                 )
+        if all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(batch)):
+            return _abstract_batch(batch, self.mesh, self.axis_name)
         return shard_batch(batch, self.mesh, axis_name=self.axis_name)
 
     def _plan(self, state: Any, fn: str) -> Plan:
@@ -278,6 +319,27 @@ def _replicated_copy(tree: PyTree, mesh: Mesh) -> PyTree:
     return jax.jit(copy)(placed)
 
 
+def _full_spec(spec: P, ndim: int) -> P:
+    """``spec`` written out per dimension (``P()`` of a matrix is ``P(None, None)``)."""
+    return P(*spec, *([None] * (ndim - len(spec))))
+
+
+def _abstract_batch(batch: PyTree, mesh: Mesh, axes: tuple[str, ...]) -> PyTree:
+    """``ShapeDtypeStruct`` batch leaves with the sharding ``place`` would give them."""
+    n = mesh_axes_size(mesh, axes, "TrainStep.place")
+
+    def one(path: Any, x: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
+        if not x.shape or x.shape[0] % n:
+            raise ValueError(
+                f"batch leaf {jax.tree_util.keystr(path)} has shape {x.shape}; its first axis "
+                f"must divide evenly over axis {axes} of size {n}."
+            )
+        spec = _full_spec(P(axes if len(axes) > 1 else axes[0]), len(x.shape))
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec))
+
+    return jax.tree_util.tree_map_with_path(one, batch)
+
+
 def _distinct(tree: PyTree) -> PyTree:
     """``tree`` as the step returns it: specs written out per dimension (``P()`` of
     a matrix is ``P(None, None)``, else the second call would compile again), and
@@ -288,8 +350,7 @@ def _distinct(tree: PyTree) -> PyTree:
     def one(x: jax.Array) -> jax.Array:
         spec = x.sharding.spec
         if len(spec) < x.ndim:
-            full = P(*spec, *([None] * (x.ndim - len(spec))))
-            x = jax.device_put(x, NamedSharding(x.sharding.mesh, full))
+            x = jax.device_put(x, NamedSharding(x.sharding.mesh, _full_spec(spec, x.ndim)))
         ptrs = {s.data.unsafe_buffer_pointer() for s in x.addressable_shards}
         if ptrs & seen:
             x = jax.device_put(x, x.sharding, may_alias=False)

@@ -16,7 +16,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import optax
 
 from .axes import varying_axes
 from .fsdp import ShardedLayers, check_microbatches
@@ -90,11 +89,11 @@ def grads_of(cfg: Any, plan: Plan, state: TrainState, batch: Any, sync: Any) -> 
 def zero_body(cfg: Any, plan: Plan, state: TrainState, batch: Any) -> tuple[TrainState, Any]:
     tx = plan.tx
     (loss, rest), grads = grads_of(cfg, plan, state, batch, tx if cfg.stacked else None)
-    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    params, opt_state = tx.apply_gradients(grads, state.opt_state, state.params)
     finite = jnp.logical_not(opt_state.metrics.skipped)
     new = state._replace(
         step=state.step + finite.astype(jnp.int32),
-        params=optax.apply_updates(state.params, updates),
+        params=params,
         opt_state=opt_state,
         model_state=settle(rest, state.model_state, finite),
     )

@@ -1,0 +1,273 @@
+"""The headline benchmark: training steps compiled for H100 clusters, priced by XLA.
+
+    python benchmarks/bench_gpu.py                       # 8 x H100, ~1B params
+    python benchmarks/bench_gpu.py --size 8b --hosts 8   # 64 x H100, ~8B params
+    python benchmarks/bench_gpu.py --quick               # a small model (smoke run)
+
+No GPU is needed: every step is lowered from ``jax.ShapeDtypeStruct``s against a
+compile-only mesh (:func:`jaxsync.gpu_topology`) and compiled by XLA's GPU
+pipeline; :func:`jaxsync.schedule_report` reads the latency-hiding scheduler's
+model of it. The figures are XLA's model of an H100 program, not measurements.
+
+The model is a GPT written the way large JAX models are (``bench_scan``'s): token
+and position embedding, pre-norm blocks (causal attention, GELU MLP) stacked
+``[L, ...]`` and run by ``lax.scan`` over a ``jax.checkpoint``-ed body, LM head;
+bf16 compute. Every method runs AdamW with clipping at global norm 1.0:
+
+  replicated   shard_map; fp32 params replicated, bf16 model, ``lax.pmean`` of the grads
+  gspmd_zero1  ``jax.jit``; bf16 params replicated, fp32 master and AdamW state sharded
+               by ``NamedSharding`` (XLA's weight-update sharding)
+  gspmd_fsdp   ``jax.jit``; fp32 master and AdamW state sharded, bf16 model cast from it
+  jaxsync_ddp  ``train_step(mode="ddp", stacked="blocks")``, fp32 params (bf16 model)
+  jaxsync_zero ``train_step(mode="zero", stacked="blocks")``, bf16 params, fp32 master
+  jaxsync_zero_bf16rs  the same with ``reduce_dtype=bf16`` (gradients reduced in bf16,
+               as GSPMD does)
+  jaxsync_fsdp ``train_step(mode="fsdp", stacked="blocks")``, bf16 compute policy
+  jaxsync_fsdp_keep  the same, the layer body's remat keeping each gathered layer
+               (``save_only_these_names("jaxsync_gathered_layer")``): one gather per
+               layer per step, in the forward; ZeRO-1's param memory during the step,
+               and the params' all-gather deferred into the next step's forward
+
+Columns: modeled step (ms), its ratio to the baseline of the same kind (ddp vs
+replicated, zero vs gspmd_zero1, fsdp vs gspmd_fsdp), exposed communication (ms
+and share of the step), bytes each GPU sends per step (ring algorithms) against
+the ring bound of an fp32 all-reduce of the gradients, 2S(N-1)/N, arguments and
+temporaries per GPU, and whether their sum fits the GPU's memory. Each method is
+compiled twice: with XLA's defaults and with the collective flags of JAX's GPU
+performance guide (:data:`jaxsync.GPU_PERFORMANCE_OPTIONS`).
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")  # compile-only GPUs: never start CUDA
+
+import argparse  # noqa: E402
+import dataclasses  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from functools import partial  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import optax  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_scan as model  # noqa: E402
+
+import jaxsync  # noqa: E402
+
+AXIS = "data"
+F32, BF16 = jnp.float32, jnp.bfloat16
+SIZES = {  # d_model, heads, layers, seq, vocab, rows per GPU
+    "quick": (512, 8, 4, 512, 8192, 2),
+    "1b": (2048, 16, 16, 2048, 32768, 4),
+    "8b": (4096, 32, 32, 2048, 32768, 2),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    name: str
+    fn: object  # jitted step
+    args: tuple  # ShapeDtypeStructs with shardings
+
+
+def param_shapes(cfg: model.Config, dtype) -> dict:
+    """``bench_scan.init_params``'s tree, as ShapeDtypeStructs (nothing allocated)."""
+    return jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, dtype),
+        jax.eval_shape(lambda: model.device_params(cfg)),
+    )
+
+
+def tx():
+    return optax.adamw(1e-4, weight_decay=0.01)
+
+
+def clipped():
+    return optax.chain(optax.clip_by_global_norm(1.0), tx())
+
+
+def loss_fn(cfg: model.Config, constrain=None, remat_policy=None):
+    return partial(model.scanned_loss, heads=cfg.heads, dtype=BF16, constrain=constrain,
+                   remat_policy=remat_policy)  # fmt: skip
+
+
+def put(tree, sharding):
+    shard = sharding if callable(sharding) else (lambda _: sharding)
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=shard(x)), tree)
+
+
+def gspmd_sharding(mesh, stacked_keys=("blocks",)):
+    n = mesh.shape[AXIS]
+
+    def one(path, x):
+        stacked = any(f"['{k}']" in jax.tree_util.keystr(path) for k in stacked_keys)
+        return NamedSharding(mesh, model.shard_spec(x.shape, n, stacked))
+
+    return lambda tree: jax.tree.map(
+        lambda s, x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+        jax.tree_util.tree_map_with_path(one, tree), tree,
+    )  # fmt: skip
+
+
+def baselines(cfg, mesh, tokens) -> list[Case]:
+    rep = NamedSharding(mesh, P())
+    batch = jax.ShapeDtypeStruct(tokens, jnp.int32, sharding=NamedSharding(mesh, P(AXIS)))
+    act = NamedSharding(mesh, P(AXIS))
+    gloss = loss_fn(cfg, lambda x: jax.lax.with_sharding_constraint(x, act))
+    opt = clipped()
+    shard = gspmd_sharding(mesh)
+    master = shard(param_shapes(cfg, F32))
+    opt_state = shard(jax.eval_shape(opt.init, master))
+    msh, osh = (jax.tree.map(lambda x: x.sharding, t) for t in (master, opt_state))
+
+    # replicated: optax on every GPU, one pmean per grad leaf
+    lfn = loss_fn(cfg)
+
+    @partial(jax.jit, donate_argnums=(0,))
+    @partial(jax.shard_map, mesh=mesh, in_specs=(P(), P(AXIS)), out_specs=(P(), P()))
+    def replicated(state, tokens):
+        params, opt_state = state
+        model_p = jax.lax.pcast(model.cast(params, BF16), (AXIS,), to="varying")
+        loss, g = jax.value_and_grad(lfn)(model_p, tokens)
+        g = jax.lax.pmean(model.cast(g, F32), AXIS)
+        updates, opt_state = opt.update(g, opt_state, params)
+        return (optax.apply_updates(params, updates), opt_state), jax.lax.pmean(loss, AXIS)
+
+    rparams = put(param_shapes(cfg, F32), rep)
+    rstate = (rparams, put(jax.eval_shape(opt.init, rparams), rep))
+
+    @partial(jax.jit, donate_argnums=(0,),
+             out_shardings=((jax.tree.map(lambda _: rep, msh), msh, osh), rep))  # fmt: skip
+    def gspmd_zero1(state, tokens):
+        params, master, opt_state = state
+        loss, g = jax.value_and_grad(gloss)(params, tokens)
+        g = jax.lax.with_sharding_constraint(model.cast(g, F32), msh)
+        updates, opt_state = opt.update(g, opt_state, master)
+        master = optax.apply_updates(master, updates)
+        return (model.cast(master, BF16), master, opt_state), loss
+
+    zstate = (put(param_shapes(cfg, BF16), rep), master, opt_state)
+
+    @partial(jax.jit, donate_argnums=(0,), out_shardings=((msh, osh), rep))
+    def gspmd_fsdp(state, tokens):
+        master, opt_state = state
+        loss, g = jax.value_and_grad(lambda m, t: gloss(model.cast(m, BF16), t))(master, tokens)
+        g = jax.lax.with_sharding_constraint(g, msh)
+        updates, opt_state = opt.update(g, opt_state, master)
+        return (optax.apply_updates(master, updates), opt_state), loss
+
+    return [
+        Case("replicated", replicated, (rstate, batch)),
+        Case("gspmd_zero1", gspmd_zero1, (zstate, batch)),
+        Case("gspmd_fsdp", gspmd_fsdp, ((master, opt_state), batch)),
+    ]
+
+
+def jaxsync_cases(cfg, mesh, tokens) -> list[Case]:
+    batch = jax.ShapeDtypeStruct(tokens, jnp.int32)
+    policy = jaxsync.MixedPrecision(param_dtype=BF16)
+    keep = jax.checkpoint_policies.save_only_these_names("jaxsync_gathered_layer")
+    variants = [  # name, mode, param dtype, options, remat policy
+        ("jaxsync_ddp", "ddp", F32, {}, None),
+        ("jaxsync_zero", "zero", BF16, {}, None),
+        ("jaxsync_zero_bf16rs", "zero", BF16, {"reduce_dtype": BF16}, None),
+        ("jaxsync_fsdp", "fsdp", F32, {"policy": policy}, None),
+        ("jaxsync_fsdp_keep", "fsdp", F32, {"policy": policy}, keep),
+    ]
+    out = []
+    for name, mode, dtype, kw, remat in variants:
+        step = jaxsync.train_step(
+            loss_fn(cfg, remat_policy=remat), tx(), mesh, mode=mode, stacked="blocks",
+            clip_grad_norm=1.0, **kw,
+        )  # fmt: skip
+        out.append(Case(name, step, (step.abstract_state(param_shapes(cfg, dtype)), batch)))
+    return out
+
+
+def ring_bytes(report: jaxsync.ScheduleReport, n: int) -> float:
+    """Bytes each GPU sends per step under ring algorithms, from the collectives' results."""
+    per = {
+        "all-reduce": lambda b: 2 * b * (n - 1) / n,
+        "reduce-scatter": lambda b: b * (n - 1),
+        "all-gather": lambda b: b * (n - 1) / n,
+    }
+    return sum(per.get(c.kind, lambda b: b)(c.bytes) * c.runs for c in report.collectives)
+
+
+REFERENCE = {"jaxsync_ddp": "replicated", "jaxsync_zero": "gspmd_zero1",
+             "jaxsync_zero_bf16rs": "gspmd_zero1", "jaxsync_fsdp": "gspmd_fsdp",
+             "jaxsync_fsdp_keep": "gspmd_fsdp"}  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--size", choices=sorted(SIZES), default="1b")
+    ap.add_argument("--quick", action="store_true", help="--size quick")
+    ap.add_argument("--gpu", default="h100", choices=sorted(jaxsync.GPUS))
+    ap.add_argument("--hosts", type=int, default=1)
+    ap.add_argument("--gpus-per-host", type=int, default=8)
+    ap.add_argument("--only", default="", help="comma-separated method names")
+    ap.add_argument("--flags", choices=("both", "default", "perf"), default="both")
+    ap.add_argument("--out", default="", help="also write the table (markdown) here")
+    args = ap.parse_args()
+    size = "quick" if args.quick else args.size
+    d, heads, layers, seq, vocab, rows = SIZES[size]
+    cfg = model.Config(vocab=vocab, seq=seq, d_model=d, heads=heads, layers=layers,
+                       batch_per_device=rows)  # fmt: skip
+    mesh = jaxsync.gpu_topology(args.gpu, hosts=args.hosts, gpus_per_host=args.gpus_per_host)
+    gpu = jaxsync.GPUS[args.gpu]
+    n = mesh.size
+    nparams = sum(x.size for x in jax.tree.leaves(param_shapes(cfg, F32)))
+    tokens = (n * rows, seq + 1)
+    cases = baselines(cfg, mesh, tokens) + jaxsync_cases(cfg, mesh, tokens)
+    if args.only:
+        keep = set(args.only.split(","))
+        cases = [c for c in cases if c.name in keep]
+    flag_sets = {"default": {}, "perf": dict(jaxsync.GPU_PERFORMANCE_OPTIONS)}
+    if args.flags != "both":
+        flag_sets = {args.flags: flag_sets[args.flags]}
+    bound = 2 * 4 * nparams * (n - 1) / n
+    title = (
+        f"{n} x {jaxsync.GPUS[args.gpu].name}, GPT d={d} L={layers} seq={seq} vocab={vocab}, "
+        f"{nparams / 1e9:.2f}B params, {rows} rows/GPU, AdamW + clip; jax {jax.__version__}"
+    )
+    print(title, flush=True)
+    lines = [title, ""]
+    for flag_name, options in flag_sets.items():
+        reports = {}
+        for case in cases:
+            t0 = time.perf_counter()
+            lowered = case.fn.lower(*case.args)
+            reports[case.name] = jaxsync.schedule_report(lowered, options=options)
+            print(f"  [{flag_name}] {case.name}: compiled in {time.perf_counter() - t0:.0f} s, "
+                  f"{reports[case.name].step_us / 1e3:.2f} ms", flush=True)  # fmt: skip
+        head = ["method", "step ms", "vs ref", "exposed ms", "exposed %", "sent / ring bound",
+                "roofline ms", "args MiB", "temps MiB", "fits"]  # fmt: skip
+        rows_out = []
+        for name, r in reports.items():
+            ref = reports.get(REFERENCE.get(name, ""))
+            rows_out.append([
+                name, f"{r.step_us / 1e3:.2f}",
+                f"{r.step_us / ref.step_us:.2f}x" if ref else "",
+                f"{r.exposed_total_us / 1e3:.2f}", f"{r.exposed_total_us / r.step_us:.1%}",
+                f"{ring_bytes(r, n) / bound:.2f}", f"{r.roofline_us / 1e3:.2f}",
+                f"{r.memory['arguments'] / 2**20:.0f}", f"{r.memory['temps'] / 2**20:.0f}",
+                "yes" if r.memory["peak"] <= gpu.memory_bytes else "**no**",
+            ])  # fmt: skip
+        label = "XLA defaults" if not options else "GPU performance flags"
+        table = model.fmt_table(head, rows_out, 1)
+        lines += [f"{label}:", "", table, ""]
+        print(f"\n{label}:\n{table}\n", flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,292 @@
+"""Steps compiled for a compile-only 8 x H100 mesh: what XLA's GPU pipeline makes of them.
+
+These run without a GPU: `jaxsync.gpu_topology` gives compile-only CUDA devices
+(needs jax-cuda12-plugin, which `make test` installs on Linux x86-64), and
+`jaxsync.schedule_report` reads the latency-hiding scheduler's model of the program.
+"""
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxsync
+from jaxsync._src.textproto import parse
+
+needs_plugin = pytest.mark.skipif(
+    not jaxsync.gpu_target_available(),
+    reason="compile-only GPU meshes need jax-cuda12-plugin and jax-cuda12-pjrt of the installed "
+    "jaxlib's version (Linux x86-64); `make test` installs them",
+)
+H100 = jaxsync.GPUS["h100"]
+
+
+# ------------------------------------------------------------------- text proto
+def test_textproto_reads_nested_repeated_and_escaped_fields():
+    text = """
+    name: "a \\"quoted\\" name"  # a comment
+    count: 3
+    ratio: 1.5
+    kind: ENUM_VALUE
+    child { id: 1 tag: "x" }
+    child { id: 2 inner { deep: -4 } }
+    """
+    m = parse(text)
+    assert m.one("name") == 'a "quoted" name'
+    assert m.one("count") == 3 and m.one("ratio") == 1.5 and m.one("kind") == "ENUM_VALUE"
+    assert [c.one("id") for c in m.all("child")] == [1, 2]
+    assert m.all("child")[1].one("inner").one("deep") == -4
+    assert m.all("missing") == [] and m.one("missing", 7) == 7
+    with pytest.raises(ValueError, match="unbalanced"):
+        parse("a { b: 1")
+
+
+# --------------------------------------------------------------------- topology
+@needs_plugin
+def test_gpu_topology_builds_host_major_compile_only_meshes():
+    mesh = jaxsync.gpu_topology("h100", hosts=2, gpus_per_host=4, axes={"data": 2, "model": 4})
+    assert mesh.shape == {"data": 2, "model": 4}
+    devices = mesh.devices
+    assert {d.device_kind for d in devices.flat} == {H100.name}
+    # the minor axis stays inside a host; the major one crosses hosts
+    assert [d.process_index for d in devices[0]] == [0] * 4
+    assert [d.process_index for d in devices[1]] == [1] * 4
+    with pytest.raises(ValueError, match="must multiply to the device count 8"):
+        jaxsync.gpu_topology("h100", hosts=2, gpus_per_host=4, axes={"data": 3})
+    with pytest.raises(ValueError, match="`kind` must be one of"):
+        jaxsync.gpu_topology("h1000")
+
+
+def test_gpu_specs_write_the_target_config_fields_xla_reads():
+    config = parse(H100.target_config()).one("gpu_device_info")
+    assert config.one("core_count") == 132
+    assert config.one("memory_bandwidth") == int(3.35e12)
+    assert config.one("cuda_compute_capability").one("major") == 9
+    for spec in jaxsync.GPUS.values():
+        assert spec.source and spec.bf16_dense_tflops > 0
+
+
+# ------------------------------------------------------------- schedule_report
+M, K, N = 8192, 4096, 4096  # per device: a matmul of 2*M*K*N = 275 GFLOP
+
+
+def _matmul_and_allreduce(mesh, dependent: bool):
+    """One matmul and one all-reduce of 32 MiB: of the matmul's result (cannot
+    overlap) or of an independent input (can)."""
+
+    @partial(jax.shard_map, mesh=mesh, in_specs=(P("data"), P(), P("data")),
+             out_specs=(P("data"), P()))  # fmt: skip
+    def f(x, w, v):
+        y = x @ w
+        s = jax.lax.psum(y[: v.shape[0]] if dependent else v, "data")
+        return y, s
+
+    sh = lambda spec: NamedSharding(mesh, spec)  # noqa: E731
+    args = (
+        jax.ShapeDtypeStruct((8 * M, K), jnp.bfloat16, sharding=sh(P("data"))),
+        jax.ShapeDtypeStruct((K, N), jnp.bfloat16, sharding=sh(P())),
+        jax.ShapeDtypeStruct((8 * 4096, N), jnp.bfloat16, sharding=sh(P("data"))),
+    )
+    return jaxsync.schedule_report(jax.jit(f).lower(*args))
+
+
+@needs_plugin
+def test_schedule_report_prices_a_matmul_and_an_all_reduce_by_hand():
+    mesh = jaxsync.gpu_topology("h100")
+    dep = _matmul_and_allreduce(mesh, dependent=True)
+    ind = _matmul_and_allreduce(mesh, dependent=False)
+    matmul_roofline_us = 2 * M * K * N / (H100.bf16_dense_tflops * 1e12) * 1e6  # 278 us
+    for r, v_bytes in ((dep, 0), (ind, 4096 * N * 2)):  # `dep` never reads `v`
+        (ar,) = [c for c in r.collectives if c.kind == "all-reduce"]
+        assert ar.bytes == 4096 * N * 2 and ar.runs == 1 and not ar.is_sync
+        (mm,) = [h for h in r.hotspots if h.us > 100]  # the matmul, XLA's price
+        assert 0.8 * matmul_roofline_us < mm.us < 2.0 * matmul_roofline_us
+        assert r.roofline_us == 0.0  # the entry is the only computation
+        assert r.step_us == pytest.approx(sum(c.own_us * c.runs for c in r.computations))
+        assert r.memory["arguments"] == (M * K + K * N) * 2 + v_bytes
+    (ar_dep,) = [c for c in dep.collectives if c.kind == "all-reduce"]
+    (ar_ind,) = [c for c in ind.collectives if c.kind == "all-reduce"]
+    # dependent: nothing to overlap with, the step is matmul + all-reduce
+    assert ar_dep.overlap_ops == 0
+    assert dep.exposed_us["all-reduce"] == pytest.approx(ar_dep.modeled_us, rel=0.05)
+    assert dep.step_us >= matmul_roofline_us * 0.8 + ar_dep.modeled_us
+    # independent: the matmul runs while the all-reduce is in flight
+    assert ar_ind.overlap_ops >= 1 and ar_ind.overlap_us > 0.5 * ar_ind.modeled_us
+    assert ind.exposed_us.get("all-reduce", 0.0) < 0.5 * dep.exposed_us["all-reduce"]
+    assert ind.step_us < dep.step_us
+
+
+@needs_plugin
+def test_schedule_report_multiplies_loop_bodies_by_their_trip_count():
+    mesh = jaxsync.gpu_topology("h100")
+
+    @partial(jax.shard_map, mesh=mesh, in_specs=(P("data"), P()), out_specs=P("data"))
+    def f(x, w):
+        def body(_, h):
+            return jnp.tanh(h @ w) + jax.lax.psum(h[:8], "data").sum()
+
+        return jax.lax.fori_loop(0, 6, body, x)
+
+    sh = lambda spec: NamedSharding(mesh, spec)  # noqa: E731
+    args = (
+        jax.ShapeDtypeStruct((8 * 2048, 2048), jnp.bfloat16, sharding=sh(P("data"))),
+        jax.ShapeDtypeStruct((2048, 2048), jnp.bfloat16, sharding=sh(P())),
+    )
+    r = jaxsync.schedule_report(jax.jit(f).lower(*args))
+    body = max(r.computations, key=lambda c: c.own_us * c.runs)
+    assert body.runs in (5, 6)  # 6 iterations, one of which XLA may peel into the entry
+    loop_ar = [c for c in r.collectives if c.computation == body.name]
+    assert loop_ar and all(c.runs == body.runs for c in loop_ar)
+    assert r.step_us == pytest.approx(sum(c.own_us * c.runs for c in r.computations))
+    assert r.step_us > 5 * body.own_us
+
+
+@needs_plugin
+def test_schedule_report_prices_a_skipped_loop_by_the_calibrated_roofline():
+    """A loop with nothing asynchronous in it is not scheduled (nor dumped) by XLA:
+    its matmuls are priced at 2*M*K*N FLOPs over the bf16 peak, times the factor XLA's
+    model charges over that roofline for the matmul in the scheduled entry."""
+    mesh = jaxsync.gpu_topology("h100")
+
+    @partial(jax.shard_map, mesh=mesh, in_specs=(P("data"), P()), out_specs=(P("data"), P()))
+    def f(x, w):
+        y = jax.lax.fori_loop(0, 5, lambda _, h: h @ w, x)  # no collective in the body
+        return x @ w, jax.lax.psum(y[:8], "data")
+
+    sh = lambda spec: NamedSharding(mesh, spec)  # noqa: E731
+    args = (
+        jax.ShapeDtypeStruct((8 * 4096, 4096), jnp.bfloat16, sharding=sh(P("data"))),
+        jax.ShapeDtypeStruct((4096, 4096), jnp.bfloat16, sharding=sh(P())),
+    )
+    r = jaxsync.schedule_report(jax.jit(f).lower(*args))
+    (loop,) = [c for c in r.computations if c.source == "roofline" and c.own_us > 1]
+    assert loop.runs in (4, 5)  # XLA may peel an iteration into the entry
+    matmul_us = 2 * 4096**3 / (H100.bf16_dense_tflops * 1e12) * 1e6  # 139 us at peak
+    assert loop.own_us == pytest.approx(r.roofline_scale[0] * matmul_us, rel=0.02)
+    assert r.roofline_us == pytest.approx(loop.own_us * loop.runs, rel=1e-6)
+    assert 0.8 < r.roofline_scale[0] < 2.0  # XLA prices this matmul near the roofline
+    assert r.step_us == pytest.approx(sum(c.own_us * c.runs for c in r.computations))
+
+
+@needs_plugin
+def test_schedule_report_names_an_unknown_xla_option():
+    mesh = jaxsync.gpu_topology("h100")
+    x = jax.ShapeDtypeStruct((64,), jnp.float32, sharding=NamedSharding(mesh, P()))
+    with pytest.raises(ValueError, match="xla_gpu_no_such_flag"):
+        jaxsync.schedule_report(jax.jit(jnp.sin).lower(x), options={"xla_gpu_no_such_flag": True})
+
+
+def test_schedule_report_refuses_a_cpu_program():
+    x = jax.ShapeDtypeStruct((64,), jnp.float32)
+    with pytest.raises(RuntimeError, match="no latency-hiding schedule"):
+        jaxsync.schedule_report(jax.jit(jnp.sin).lower(x))
+
+
+# ---------------------------------------------------- a scanned ZeRO step on H100
+LAYERS, D = 4, 512
+
+
+def _stack_params(dtype=jnp.bfloat16):
+    return {
+        "embed": jax.ShapeDtypeStruct((D, D), dtype),
+        "blocks": {
+            "w1": jax.ShapeDtypeStruct((LAYERS, D, 4 * D), dtype),
+            "w2": jax.ShapeDtypeStruct((LAYERS, 4 * D, D), dtype),
+            "g": jax.ShapeDtypeStruct((LAYERS, D), dtype),
+        },
+    }
+
+
+def _stack_loss(params, x):
+    h = x.astype(jnp.bfloat16) @ params["embed"]
+
+    def body(h, p):
+        p = jaxsync.tap(p)
+        u = jax.nn.gelu((h * p["g"]) @ p["w1"])
+        return h + u @ p["w2"], None
+
+    h, _ = jax.lax.scan(jax.checkpoint(body), h, params["blocks"])
+    return jnp.mean(jnp.square(h.astype(jnp.float32)))
+
+
+@pytest.fixture(scope="module")
+def zero_report():
+    if not jaxsync.gpu_target_available():
+        pytest.skip("needs jax-cuda12-plugin")
+    mesh = jaxsync.gpu_topology("h100")
+    step = jaxsync.train_step(
+        _stack_loss, optax.adamw(1e-3), mesh, mode="zero", stacked="blocks", clip_grad_norm=1.0
+    )
+    state = step.abstract_state(_stack_params())
+    batch = jax.ShapeDtypeStruct((8 * 1024, D), jnp.float32)
+    return step, state, jaxsync.schedule_report(step.lower(state, batch))
+
+
+@needs_plugin
+def test_zero_step_on_h100_reduces_each_layer_inside_the_backward_loop(zero_report):
+    _, _, r = zero_report
+    sites = jaxsync.overlap_report(r.hlo_text)
+    in_loop = sites.in_loop("reduce-scatter", role="backward")
+    assert in_loop, sites.summary()
+    layer_shard = (D * 4 * D * 2 + D) * 4 // 8  # one layer's fp32 grads, 1/8 per device
+    loop_bodies = {c.computation for c in in_loop}
+    timed = [
+        c for c in r.collectives if c.kind == "reduce-scatter" and c.computation in loop_bodies
+    ]
+    assert timed and all(not c.is_sync for c in timed)
+    assert all(c.overlap_ops > 0 and c.overlap_us > 0 for c in timed)  # compute hides them
+    # No collective on the stacked gradients after the loop: a reduce-scatter left
+    # in the entry is at most one layer's (an iteration XLA peeled out of the loop).
+    stacked_entry = [
+        c for c in sites.in_entry("reduce-scatter") if c.bytes >= 2 * layer_shard
+    ]  # fmt: skip
+    assert not stacked_entry, [(c.name, c.shapes) for c in stacked_entry]
+
+
+@needs_plugin
+def test_zero_step_on_h100_never_transposes_optimizer_buffers(zero_report):
+    step, state, r = zero_report
+    shard = [x.shape for x in jax.tree.leaves(state.opt_state) if len(x.shape) == 2][0]
+    local = (shard[0], shard[1] // 8)  # [L, shard] per device
+    transposed = f"f32[{local[1]},{local[0]}]"
+    assert f"f32[{local[0]},{local[1]}]" in r.hlo_text  # the buffers are there...
+    assert transposed not in r.hlo_text  # ...and never laid out [shard, L]
+    assert not [h for h in r.hotspots if "transpose" in h.name and h.computation.startswith("main")]
+
+
+@needs_plugin
+def test_zero_step_on_h100_holds_the_exact_zero_state_per_gpu(zero_report):
+    step, state, r = zero_report
+    n = 8
+    params = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state.params))
+    # fp32 master + two AdamW moments, 1/8 each: the buffers' padded shard sizes
+    shards = [x for x in jax.tree.leaves(state.opt_state) if x.ndim >= 1 and x.size > n]
+    opt = sum(x.size * x.dtype.itemsize for x in shards) // n
+    elements = sum(x.size for x in jax.tree.leaves(state.params))
+    assert 3 * 4 * elements / n <= opt <= 3 * 4 * (elements / n + 2 * LAYERS * 8)
+    scalars = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state) if x.size <= n)
+    big = params + opt + 8 * 1024 * D * 4 // n  # + the batch's rows
+    # exact but for a few scalar counters (XLA drops the ones the step never reads)
+    assert big <= r.memory["arguments"] <= big + scalars
+
+
+def test_abstract_state_matches_init(mesh8):
+    params = jax.tree.map(lambda s: jnp.ones(s.shape, s.dtype), _stack_params(jnp.float32))
+    for mode in ("ddp", "zero", "fsdp"):
+        step = jaxsync.train_step(_stack_loss, optax.adam(1e-3), mesh8, mode=mode,
+                                  stacked="blocks")  # fmt: skip
+        real = step.init(params)
+        abstract = step.abstract_state(jax.eval_shape(lambda p: p, params))
+        spec = lambda x: tuple(x.sharding.spec) + (None,) * (x.ndim - len(x.sharding.spec))  # noqa: E731
+        assert jax.tree.structure(real) == jax.tree.structure(abstract), mode
+        for a, b in zip(jax.tree.leaves(real), jax.tree.leaves(abstract), strict=True):
+            assert (a.shape, a.dtype, spec(a)) == (b.shape, b.dtype, spec(b)), mode
+        # the abstract state lowers the same step; a real batch is not needed
+        batch = jax.ShapeDtypeStruct((16, D), jnp.float32)
+        assert "reduce" in step.lower(abstract, batch).as_text() or mode == "ddp"
+        np.testing.assert_array_equal(step.params(real)["embed"], params["embed"])
