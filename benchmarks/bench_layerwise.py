@@ -21,13 +21,17 @@ Per variant: median step time, the ratio to ``replicated``, optimizer-state byte
 per device (fp32 master + optimizer state, from the arrays' shards) and the
 collectives of the compiled step. :func:`make_steps` builds the three steps and
 their (concrete or abstract) inputs for any mesh, so a GPU-target compile can
-reuse them.
+reuse them; ``--gpu-target h100:8`` prints XLA's modeled step for 8 H100s
+(compile only, no GPU needed).
 """
 
 from __future__ import annotations
 
 import os
+import sys
 
+if any(arg.startswith("--gpu-target") for arg in sys.argv):
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")  # compile-only GPUs: never start CUDA
 if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (
         os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
@@ -280,14 +284,45 @@ def run(v: Variant, steps: int) -> dict[str, Any]:
     return {"ms": 1e3 * statistics.median(times), "compile_s": compile_s, "coll": coll}
 
 
+def gpu_table(cfg: Config, target: str) -> None:
+    """The three steps compiled for ``target`` GPUs, priced by XLA's scheduler.
+
+    Note: the owner's update is a ``lax.switch`` with one branch per rank; the
+    report prices every branch, while a device runs only its own.
+    """
+    kind, count = target.split(":")
+    mesh = jaxsync.gpu_topology(kind, hosts=1, gpus_per_host=int(count))
+    print(f"{target}: d={cfg.width}, {cfg.blocks} blocks, batch {cfg.batch_per_device}/GPU")
+    print(f"{'variant':<11} {'modeled ms':>10} {'exposed comm ms':>16} {'state MiB':>10} "
+          f"{'peak MiB':>9}")  # fmt: skip
+    for name, v in make_steps(mesh, cfg, abstract=True).items():
+        r = jaxsync.schedule_report(v.step.lower(*v.args))
+        exposed = sum(r.exposed_us.values()) / 1e3
+        peak = r.memory.get("peak", 0) / 2**20
+        print(
+            f"{name:<11} {r.step_us / 1e3:>10.3f} {exposed:>16.3f} "
+            f"{v.state_bytes / 2**20:>10.1f} {peak:>9.1f}"
+        )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--width", type=int, default=256)
     ap.add_argument("--blocks", type=int, default=4)
     ap.add_argument("--batch-per-device", type=int, default=16)
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument(
+        "--gpu-target",
+        type=str,
+        default=None,
+        help="e.g. 'h100:8': compile for that many GPUs (no GPU needed) and print XLA's "
+        "modeled step (jaxsync.schedule_report) instead of timing on this machine",
+    )
     a = ap.parse_args()
     cfg = Config(a.width, a.blocks, a.batch_per_device)
+    if a.gpu_target:
+        gpu_table(cfg, a.gpu_target)
+        return
     n = jax.device_count()
     mesh = jax.make_mesh((n,), (AXIS,))
     variants = make_steps(mesh, cfg)

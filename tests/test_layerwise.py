@@ -516,3 +516,21 @@ def test_whole_matrices_arguments_are_checked():
     # a custom cost model: a function of the matrix shape
     tx = jaxsync.whole_matrices(optax.adafactor(1e-2), cost=lambda s: float(s[0]))
     assert tx.cost_of((7, 3)) == 7.0
+
+
+def test_apply_gradients_lands_on_the_same_params(mesh8):
+    params, batches, loss, stacked = model("scanned", jnp.bfloat16)
+    tx, _ = build("muon", stacked, bucket_size=1)
+    specs = tx.state_specs(params, mesh8)
+
+    @jax.jit
+    @partial(jax.shard_map, mesh=mesh8, in_specs=(P(), specs, P("data")), out_specs=(P(), specs))
+    def step(params, state, batch):
+        _, grads = jaxsync.value_and_grad(loss, axis_name="data", sync=tx)(params, batch)
+        return tx.apply_gradients(grads, state, params)
+
+    got, state = params, tx.sharded_init(params, mesh8)
+    for i in range(2):
+        got, state = step(got, state, jaxsync.shard_batch((batches[0][i], batches[1][i]), mesh8))
+    want, _ = run_zero(mesh8, tx, params, batches, loss, stacked, steps=2)
+    jax.tree.map(np.testing.assert_array_equal, got, want)
