@@ -58,7 +58,13 @@ from jaxsync._src.optimizer_state import StepMetrics as StepMetrics
 from jaxsync._src.overlap import CollectiveSite as CollectiveSite
 from jaxsync._src.overlap import OverlapReport as OverlapReport
 from jaxsync._src.overlap import overlap_report as overlap_report
+from jaxsync._src.ownership import WholeMatrices as WholeMatrices
+from jaxsync._src.ownership import whole_matrices as whole_matrices
 from jaxsync._src.placement import build_layout as build_layout
+from jaxsync._src.routing import OwnedMatrix as OwnedMatrix
+from jaxsync._src.routing import OwnershipReport as OwnershipReport
+from jaxsync._src.routing import muon_labels as muon_labels
+from jaxsync._src.routing import ownership_report as ownership_report
 from jaxsync._src.scan_sync import DataParallel as DataParallel
 from jaxsync._src.scan_sync import LayerStack as LayerStack
 from jaxsync._src.scan_sync import tap as tap
@@ -86,6 +92,12 @@ __all__ = [
     "gpu_target_available",
     "gpu_topology",
     "schedule_report",
+    "OwnedMatrix",
+    "OwnershipReport",
+    "WholeMatrices",
+    "muon_labels",
+    "ownership_report",
+    "whole_matrices",
     "Bucket",
     "CheckpointMismatchError",
     "Checkpointer",

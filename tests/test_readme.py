@@ -318,6 +318,27 @@ def check_scanned(ns: dict, ctx: SimpleNamespace) -> None:
     assert sample[0].split() == real[0].split() and set(sample[1]) == set(real[1]) == {"-", " "}
 
 
+def check_layerwise(ns: dict, ctx: SimpleNamespace) -> None:
+    loss_fn, batch = ns["loss_fn"], ns["batch"]
+    # the README's settings, on one device: Muon on each layer's matrix (optax's own
+    # batched-matrix Muon over the layer axis), AdamW on the rest, clipped at 1.0
+    dims = lambda p: jax.tree.map(  # noqa: E731
+        lambda x: optax.contrib.MuonDimensionNumbers(x.ndim - 2, x.ndim - 1), p
+    )
+    muon = optax.contrib.muon(0.02, muon_weight_dimension_numbers=dims)
+    labels = jaxsync.muon_labels(ctx.params, stacked="blocks")
+    ref = optax.chain(
+        optax.clip_by_global_norm(1.0),
+        optax.multi_transform({"muon": muon, "adamw": optax.adamw(3e-4)}, labels),
+    )
+    close(ns["params"], one_step(ref, loss_fn, ctx.params, batch))
+    assert changed(ns["params"], ctx.params)
+    report = ns["report"]
+    assert len(report.matrices) == 1 + 2 * LAYERS and len(report.loads) == 8  # inp + w1, w2
+    assert {m.name for m in report.matrices} == {"inp.w", "blocks.w1", "blocks.w2"}
+    assert report.imbalance >= 1.0 and "rank 0" in report.summary()
+
+
 RULES_AXES = ("data", "expert", "pipe", "tensor")
 RULES_SPECS = {
     "embed": P(),
@@ -522,6 +543,7 @@ SPECS = {
     "zero": Spec(setup_zero, check_zero),
     "accumulate": Spec(setup_accumulate, check_accumulate),
     "scanned": Spec(setup_scanned, check_scanned),
+    "layerwise": Spec(setup_scanned, check_layerwise),
     "rules": Spec(run=run_rules),
     "fsdp_step": Spec(setup_fsdp, check_fsdp_step),
     "fsdp": Spec(setup_fsdp, check_fsdp),

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 
 from .loss_scale import DynamicLossScale, LossScale
 from .optimizer import DistributedOptimizer
+from .ownership import WholeMatrices
 from .portable import param_name
 
 PyTree = Any
@@ -47,9 +48,13 @@ def _structure(tree: PyTree) -> str:
 
 
 def _inner_structure(inner: Any) -> str:
-    # The inner transformation runs on flat fp32 shards: probe it on one.
+    # The inner transformation runs on flat fp32 shards: probe it on one. Owned
+    # (whole-matrix) ones run on each matrix: probe them on a matrix.
+    shape, prefix = ((8, 8), "whole matrices: ") if isinstance(inner, WholeMatrices) else ((8,), "")
     try:
-        return _structure(jax.eval_shape(inner.init, jax.ShapeDtypeStruct((8,), jnp.float32)))
+        return prefix + _structure(
+            jax.eval_shape(inner.init, jax.ShapeDtypeStruct(shape, jnp.float32))
+        )
     except Exception as e:  # an init that cannot be traced abstractly: not comparable
         return f"unknown ({type(e).__name__})"
 

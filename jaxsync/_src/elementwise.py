@@ -37,10 +37,13 @@ NOT_ELEMENTWISE = (
     "adagrad, ...). For global-norm clipping pass `clip_grad_norm=` (FSDP: "
     "`jaxsync.clip_by_global_norm(max_norm, axis_name=...)`) instead of "
     "`optax.clip_by_global_norm`; for weight-decay masks or per-group settings "
-    "pass `labels=` with one transformation per label instead of `mask=`; lamb, "
-    "lars, adafactor (factored) and other per-parameter-norm methods cannot be "
-    "sharded this way. To skip this check (at your own risk) pass "
-    "`check_elementwise=False`."
+    "pass `labels=` with one transformation per label instead of `mask=`. Optimizers "
+    "that need whole matrices (optax.contrib.muon, factored adafactor, lamb, lars, "
+    "Shampoo) cannot run on flat shards: with `jaxsync.distributed_optimizer`, route "
+    "their params by `labels=` to `jaxsync.whole_matrices(tx)` (each matrix is then "
+    "owned whole by one rank; for Muon e.g. `labels=jaxsync.muon_labels` with "
+    "`{{'muon': jaxsync.whole_matrices(optax.contrib.muon(lr)), 'adamw': optax.adamw(lr)}}`). "
+    "To skip this check (at your own risk) pass `check_elementwise=False`."
 )
 PROBE_FAILED = (
     "could not probe the optimizer for {what} on a tree shaped like the params: it "

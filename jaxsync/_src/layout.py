@@ -43,6 +43,9 @@ class BufferKey(NamedTuple):
         run by ``lax.scan``) the buffer holds, or None. A stacked buffer is laid
         out per layer: its arrays are ``[layers, size]``, and every layer has the
         same buckets and the same per-rank ranges.
+      owned: None for a flat-sharded buffer; else the cost model of whole-matrix
+        ownership (see :func:`jaxsync.whole_matrices`): each param, or each layer
+        of a stacked param, lies whole in the shard of the rank that owns it.
     """
 
     dtype: str
@@ -52,6 +55,7 @@ class BufferKey(NamedTuple):
     mean_axes: tuple[str, ...] = ()
     varying: tuple[str, ...] = ()
     stack: str | None = None
+    owned: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +64,8 @@ class ParamSlot:
 
     For a stacked leaf (``layers > 0``), ``shape`` is the whole leaf
     ``(layers, *row_shape)`` and ``start``/``size`` refer to one layer's row.
+    In an owned buffer (whole-matrix ownership) a stacked leaf's layers lie
+    apart, each in its owner's shard: ``pieces`` holds each layer's start.
     """
 
     path: str
@@ -70,6 +76,14 @@ class ParamSlot:
     bucket: int
     start: int
     layers: int = 0
+    pieces: tuple[int, ...] = ()
+
+    def spans(self) -> tuple[tuple[int, Any], ...]:
+        """``(start in buffer, index into the leaf reshaped to (layers, size))`` per
+        piece: one per layer when the layers lie apart, else ``((start, None),)``."""
+        if self.pieces:
+            return tuple((p, layer) for layer, p in enumerate(self.pieces))
+        return ((self.start, None),)
 
     @property
     def row_shape(self) -> tuple[int, ...]:
@@ -206,18 +220,20 @@ class Layout:
                 lo, hi = bucket.start + rank * k, bucket.start + (rank + 1) * k
                 for si in bucket.slots:
                     slot = self.slots[si]
-                    s, e = max(lo, slot.start), min(hi, slot.end)
-                    if s >= e:
-                        continue
-                    out.append(
-                        PieceRange(
-                            slot=si,
-                            buffer=bi,
-                            in_buffer=(s, e),
-                            in_shard=(shard_off + s - lo, shard_off + e - lo),
-                            in_param=(s - slot.start, e - slot.start),
+                    for start, layer in slot.spans():
+                        s, e = max(lo, start), min(hi, start + slot.size)
+                        if s >= e:
+                            continue
+                        base = start - (layer or 0) * slot.size  # in the flattened param
+                        out.append(
+                            PieceRange(
+                                slot=si,
+                                buffer=bi,
+                                in_buffer=(s, e),
+                                in_shard=(shard_off + s - lo, shard_off + e - lo),
+                                in_param=(s - base, e - base),
+                            )
                         )
-                    )
         return tuple(out)
 
     # ------------------------------------------------------ flatten/unflatten
@@ -262,13 +278,25 @@ class Layout:
             lead = () if rows else buf.lead
             buckets = []
             for bucket in buf.buckets:
-                parts, pos = [], bucket.start
+                pieces = []
                 for si in bucket.slots:
                     slot = self.slots[si]
-                    if slot.start > pos:
-                        parts.append(jnp.zeros((*lead, slot.start - pos), dt))
-                    parts.append(jnp.reshape(leaves[si], (*lead, slot.size)).astype(dt))
-                    pos = slot.end
+                    if slot.pieces:  # an owned stacked leaf: one piece per layer
+                        rows_of = jnp.reshape(leaves[si], (slot.layers, slot.size)).astype(dt)
+                        pieces += [
+                            (p, rows_of[layer])
+                            for p, layer in slot.spans()
+                            if bucket.start <= p < bucket.end
+                        ]
+                    else:
+                        x = jnp.reshape(leaves[si], (*lead, slot.size)).astype(dt)
+                        pieces.append((slot.start, x))
+                parts, pos = [], bucket.start
+                for start, x in sorted(pieces, key=lambda t: t[0]):
+                    if start > pos:
+                        parts.append(jnp.zeros((*lead, start - pos), dt))
+                    parts.append(x)
+                    pos = start + x.shape[-1]
                 if bucket.end > pos:
                     parts.append(jnp.zeros((*lead, bucket.end - pos), dt))
                 buckets.append(parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=-1))
@@ -285,15 +313,26 @@ class Layout:
     ) -> dict[int, jax.Array]:
         """Inverse of :meth:`pack_leaves`: ``{slot index: leaf}`` of those buffers."""
         leaves = {}
+        rows_by_slot: dict[int, dict[int, jax.Array]] = {}
         for bi, arrays in zip(buffers, buckets, strict=True):
             buf = self.buffers[bi]
             for bucket, arr in zip(buf.buckets, arrays, strict=True):
                 for si in bucket.slots:
                     slot = self.slots[si]
+                    if slot.pieces:  # owned layers may lie in several buckets
+                        for layer, p in enumerate(slot.pieces):
+                            if bucket.start <= p < bucket.end:
+                                lo = p - bucket.start
+                                rows_by_slot.setdefault(si, {})[layer] = arr[lo : lo + slot.size]
+                        continue
                     lo = slot.start - bucket.start
                     shape = slot.row_shape if rows else slot.shape
                     piece = arr[..., lo : lo + slot.size].reshape(shape)
                     leaves[si] = piece.astype(dtype or slot.dtype)
+        for si, by_layer in rows_by_slot.items():
+            slot = self.slots[si]
+            stacked = jnp.stack([by_layer[k] for k in range(slot.layers)]).reshape(slot.shape)
+            leaves[si] = stacked.astype(dtype or slot.dtype)
         return leaves
 
     def pack(self, tree: PyTree, dtype: Any = None) -> tuple[tuple[jax.Array, ...], ...]:
@@ -380,6 +419,7 @@ class Layout:
                 + (f" mean={key.mean_axes}" if key.mean_axes else "")
                 + (f" varying={key.varying}" if key.varying else "")
                 + (f" stack={key.stack} x{buf.layers}" if key.stack else "")
+                + (" owned" if key.owned is not None else "")
                 + ": "
                 f"{buf.size:,} elements ({buf.used:,} used, {pad:,} padding), "
                 f"{len(buf.buckets)} buckets, shard {self.shard_size(bi):,}"

@@ -35,6 +35,7 @@ from .finalize import SyncRules
 from .layout import Layout
 from .loss_scale import LossScale, check_loss_scale, update_loss_scale
 from .optimizer_state import DistributedOptimizerState, ShardedGrads
+from .ownership import WholeMatrices
 from .placement import check_bucket_size, normalize_stacked
 from .plan import Labels, Plan
 from .portable import convert, from_portable, portable_fn, signature
@@ -182,7 +183,11 @@ def distributed_optimizer(
 
     Args:
       inner: an elementwise optax transformation, or a mapping label ->
-        transformation used with ``labels``.
+        transformation used with ``labels``. A transformation wrapped in
+        :func:`jaxsync.whole_matrices` (Muon, Adafactor, Shampoo...) runs on
+        whole matrices instead: each of its params, or each layer of a stacked
+        param, is owned by one rank (balanced by cost; see
+        :func:`jaxsync.ownership_report`).
       axis_name: data-parallel mesh axis name (or tuple of names) to shard over.
       labels: a pytree of label strings shaped like the params, or a function of
         the params returning one (as ``optax.multi_transform``); params with
@@ -253,6 +258,17 @@ def distributed_optimizer(
         raise NotImplementedError(
             "distributed_optimizer: `deterministic=` supports plain data parallelism only; "
             f"drop `rules` ({rules!r}) and `stacked` ({stacked!r}), or drop `deterministic`."
+        )
+    owned = [
+        k
+        for k, v in (inner.items() if isinstance(inner, Mapping) else [(None, inner)])
+        if isinstance(v, WholeMatrices)
+    ]
+    if det is not None and owned:
+        raise NotImplementedError(
+            "distributed_optimizer: `deterministic=` sums flat shards exactly and does not "
+            f"support whole-matrix ownership (`jaxsync.whole_matrices` for labels {owned}); "
+            "drop `deterministic`, or use an elementwise optimizer for those params."
         )
     if det is not None and jnp.dtype(reduce_dtype) != jnp.float32:
         raise ValueError(

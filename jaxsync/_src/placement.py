@@ -17,6 +17,7 @@ import numpy as np
 
 from .layout import Bucket, Buffer, BufferKey, Layout, ParamSlot
 from .names import group_of, param_name
+from .ownership import place_owned
 
 PyTree = Any
 
@@ -167,8 +168,8 @@ def build_layout(
         if not isinstance(key, BufferKey):
             raise TypeError(f"`key_fn` must return a BufferKey, got {key!r} for {name}.")
         group = group_of(param_name(path), groups)
-        if group is not None:
-            key = key._replace(stack=group)
+        if group is not None and key.owned is None:
+            key = key._replace(stack=group)  # owned layers are synced after the scan
         shape = tuple(int(d) for d in np.shape(leaf))
         specs.append((name, shape, jnp.dtype(dtype).name, key, layers.get(group, 0)))
     shards = {}
@@ -203,6 +204,12 @@ def _build(
     buffers = []
     for bi, key in enumerate(keys):
         num_shards = shards_of[key]
+        if key.owned is not None:  # whole matrices, each in its owner's shard
+            placed, buf = place_owned(specs, members[key], bi, num_shards, bucket_size)
+            for i, slot in placed.items():
+                slots[i] = slot
+            buffers.append(buf)
+            continue
         sharded = num_shards > 1
         param_align = PARAM_ALIGNMENT if sharded else 1
         bucket_align = math.lcm(num_shards, BUCKET_ALIGNMENT) if sharded else 1

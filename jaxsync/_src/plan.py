@@ -22,15 +22,23 @@ from .axes import varying_axes
 from .checks import check_labels, check_param_leaves, check_param_specs
 from .elementwise import check_elementwise
 from .finalize import ExpertParallel, SyncRules, sync_keys
+from .layerwise import owned_transform
 from .layout import BufferKey, Layout
 from .loss_scale import LossScale, init_loss_scale
 from .names import param_name
 from .optimizer_state import DistributedOptimizerState, initial_metrics
+from .ownership import WholeMatrices
 from .placement import build_layout
 from .specs import local_shape, param_specs_of, spec_axes
 
 PyTree = Any
 Labels = PyTree | Callable[[PyTree], PyTree] | None
+
+OWNED_VARYING = (
+    "param {path} (local shape {shape}) is routed to a `jaxsync.whole_matrices` optimizer "
+    "but is sharded over mesh axes {axes}: whole-matrix ownership needs the whole matrix "
+    "on its owner. Replicate it over those axes, or give it a flat-sharded optimizer label."
+)
 
 
 class Plan:
@@ -99,8 +107,17 @@ class Plan:
 
         def key_fn(path: str, leaf: Any) -> BufferKey:
             lab, sync, var = by_path[path]
+            owned = self.owned_cost(lab)
+            if owned is not None and var:
+                raise ValueError(OWNED_VARYING.format(path=path, shape=leaf.shape, axes=var))
             return BufferKey(
-                jnp.dtype(leaf.dtype).name, sync.dp_axes, lab, sync.sum_axes, sync.mean_axes, var
+                jnp.dtype(leaf.dtype).name,
+                sync.dp_axes,
+                lab,
+                sync.sum_axes,
+                sync.mean_axes,
+                var,
+                owned=owned,
             )
 
         return build_layout(
@@ -141,9 +158,23 @@ class Plan:
             return set()
         return {r.axis for _, r in self.rules.rules if isinstance(r, ExpertParallel)}
 
-    def inner_for(self, layout: Layout, buffer: int) -> optax.GradientTransformation:
-        label = layout.buffers[buffer].key.label
+    def transform_of(self, label: str | None) -> Any:
         return self.inner if label is None else self.inner[label]
+
+    def owned_cost(self, label: str | None) -> Any:
+        """The ownership cost model of ``label``'s params, None where flat-sharded."""
+        tx = self.transform_of(label)
+        return tx.cost if isinstance(tx, WholeMatrices) else None
+
+    def inner_for(
+        self, layout: Layout, buffer: int, rank: Any = None
+    ) -> optax.GradientTransformation:
+        """The transformation run on ``buffer``'s shard; for an owned buffer, its
+        matrices' (``rank``: this rank's index, static or traced; None: read it)."""
+        tx = self.transform_of(layout.buffers[buffer].key.label)
+        if isinstance(tx, WholeMatrices):
+            return owned_transform(layout, buffer, tx, rank)
+        return tx
 
     # --------------------------------------------------------------- init
     def init_for_rank(
@@ -154,7 +185,7 @@ class Plan:
         for bi in range(len(layout.buffers)):
             shard = layout.shard_of(bi, flat[bi], rank_of(bi))
             master.append(shard)
-            inner_state.append(self.inner_for(layout, bi).init(shard))
+            inner_state.append(self.inner_for(layout, bi, rank_of(bi)).init(shard))
         return DistributedOptimizerState(
             master=tuple(master),
             inner_state=tuple(inner_state),
@@ -166,6 +197,8 @@ class Plan:
         if not self.check_elementwise:
             return
         for bi, buf in enumerate(layout.buffers):
+            if buf.key.owned is not None:  # whole matrices: no flat shards to probe
+                continue
             sub = [jax.ShapeDtypeStruct(layout.slots[i].shape, jnp.float32) for i in buf.slots]
             if buf.key.label is None:
                 sub = params  # the whole tree: masks by path or ndim are probed as written
@@ -182,6 +215,8 @@ class Plan:
             buf = layout.buffers[bi]
             shape = (*buf.lead, layout.shard_size(bi))
             sharded = P(*(None,) * len(buf.lead), buf.key.axes + buf.key.varying)
+            if buf.key.owned is not None:  # every rank's own packed vectors
+                return lambda x: sharded
             return lambda x: sharded if tuple(x.shape) == shape else P()
 
         return DistributedOptimizerState(

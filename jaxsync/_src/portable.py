@@ -23,6 +23,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from . import layerwise
 from .layout import Layout
 from .loss_scale import LossScaleState
 from .names import param_name
@@ -47,11 +48,19 @@ def buffer_name(layout: Layout, buffer: int) -> str:
         parts.append("varying-" + "+".join(key.varying))
     if key.stack:
         parts.append("stack-" + key.stack)
+    if key.owned is not None:
+        parts.append("owned")
     return ".".join(parts)
 
 
 def slot_names(layout: Layout, params: PyTree) -> list[str]:
     return [param_name(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+
+
+def owned_of(plan: Any, layout: Layout, buffer: int) -> Any:
+    """The :class:`WholeMatrices` transformation of an owned buffer, else None."""
+    key = layout.buffers[buffer].key
+    return None if key.owned is None else plan.transform_of(key.label)
 
 
 def _auto(mesh: Mesh) -> Mesh:
@@ -151,6 +160,10 @@ def _row_to_params(
     out = {}
     for si in buf.slots:
         slot = layout.slots[si]
+        if slot.pieces:  # an owned stacked param: its layers lie apart
+            rows = [flat[..., p : p + slot.size] for p in slot.pieces]
+            out[names[si]] = jnp.stack(rows).reshape(slot.shape)
+            continue
         piece = flat[..., slot.start : slot.end].reshape(*nv, *slot.row_shape)
         out[names[si]] = assemble(piece, specs[si], varying) if varying else piece
     return out
@@ -189,6 +202,11 @@ def _params_to_row(
     for si in buf.slots:
         slot = layout.slots[si]
         piece = arrays[names[si]]
+        if slot.pieces:  # an owned stacked param: its layers lie apart
+            rows = piece.reshape(slot.layers, slot.size)
+            for layer, p in enumerate(slot.pieces):
+                flat = flat.at[..., p : p + slot.size].set(rows[layer])
+            continue
         if varying:
             piece = disassemble(piece, specs[si], varying, sizes)
         flat = flat.at[..., slot.start : slot.end].set(piece.reshape(*nv, slot.size))
@@ -276,6 +294,10 @@ def from_portable(
         for bi in range(len(layout.buffers)):
             master.append(params_to_shards(layout, bi, portable["master"], names, pspecs, sizes))
             saved = portable["inner_state"][buffer_name(layout, bi)]
+            owned = owned_of(plan, layout, bi)
+            if owned is not None:
+                inner.append(layerwise.from_portable(layout, bi, owned, saved, names))
+                continue
             inner.append(
                 jax.tree.map(
                     lambda s, x, bi=bi: (
@@ -319,6 +341,12 @@ def portable_fn(plan: Any, params: PyTree, mesh: Mesh) -> tuple[Any, Any, Any]:
         inner = {}
         for bi in range(len(layout.buffers)):
             master.update(to_params(bi, state.master[bi]))
+            owned = owned_of(plan, layout, bi)
+            if owned is not None:
+                inner[buffer_name(layout, bi)] = layerwise.to_portable(
+                    layout, bi, owned, state.inner_state[bi], names
+                )
+                continue
             inner[buffer_name(layout, bi)] = jax.tree.map(
                 lambda s, x, bi=bi: to_params(bi, x) if s != P() else x,
                 specs.inner_state[bi],

@@ -144,11 +144,14 @@ class TapSpec:
     group: str
     layout: Layout
     buffers: tuple[int, ...]
-    slots: tuple[int, ...]  # layout slot of each leaf of the group, in its tree order
+    slots: tuple[int, ...]  # layout slot of each synced leaf of the group, in its tree order
     axes: tuple[str, ...]
     scatter: bool
     reduce_dtype: str
     factor: float
+    # Positions (in the group's leaf order) of leaves not synced in the loop: those
+    # of whole-matrix optimizers, whose gradient leaves the scan and is reduced after.
+    passthrough: tuple[int, ...] = ()
 
 
 @jax.tree_util.register_pytree_node_class
@@ -210,7 +213,7 @@ def tap(layer: Any) -> Any:
         gather = getattr(layer, "jaxsync_gather", None)  # FSDP's stacked shards
         return layer if gather is None else gather()
     spec = layer.spec
-    leaves = jax.tree.leaves(layer.params)
+    leaves = _synced(spec, jax.tree.leaves(layer.params))
     for si, leaf in zip(spec.slots, leaves, strict=True):
         slot = spec.layout.slots[si]
         if tuple(leaf.shape) != slot.row_shape:
@@ -248,7 +251,8 @@ def _tap_fwd(spec: TapSpec, params: PyTree, sinks: Any, acc: Any) -> tuple[PyTre
 def _tap_bwd(spec: TapSpec, res: Any, ct: PyTree) -> tuple[None, Any, None]:
     acc, (like, like_flags) = res
     layout = spec.layout
-    leaves = jax.tree.leaves(ct)
+    all_ct, treedef = jax.tree.flatten(ct)
+    leaves = _synced(spec, all_ct)
     # Which leaves had a non-finite *local* gradient, before any reduction (for
     # the distributed optimizer's skipped-step report).
     flags = jnp.stack([jnp.logical_not(jnp.all(jnp.isfinite(g))) for g in leaves])
@@ -267,7 +271,17 @@ def _tap_bwd(spec: TapSpec, res: Any, ct: PyTree) -> tuple[None, Any, None]:
             r = scale_by(reduce_bucket(bucket, key, baxes, scatter=spec.scatter), spec.factor)
             reduced.append(_like(r, sink))
         out.append(tuple(reduced))
-    return None, (tuple(out), _like(flags, like_flags)), None
+    params_ct = None
+    if spec.passthrough:  # their gradient flows on, out of the scan
+        keep = set(spec.passthrough)
+        params_ct = jax.tree.unflatten(
+            treedef, [g if j in keep else jnp.zeros_like(g) for j, g in enumerate(all_ct)]
+        )
+    return params_ct, (tuple(out), _like(flags, like_flags)), None
+
+
+def _synced(spec: TapSpec, leaves: list[Any]) -> list[Any]:
+    return [x for j, x in enumerate(leaves) if j not in spec.passthrough]
 
 
 def _like(x: jax.Array, sink: jax.Array) -> jax.Array:
@@ -319,10 +333,19 @@ def sync_value_and_grad(
     specs, sinks, accs = {}, {}, {}
     names = [param_name(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
     for group, bufs in stacks.items():
-        slots = tuple(i for i in range(len(leaves)) if i in in_stack and in_group(names[i], group))
-        slots = tuple(s for s in slots if layout.slots[s].buffer in bufs)
+        members = [i for i in range(len(leaves)) if in_group(names[i], group)]
+        slots = tuple(i for i in members if i in in_stack and layout.slots[i].buffer in bufs)
+        passthrough = tuple(j for j, i in enumerate(members) if i not in slots)
         specs[group] = TapSpec(
-            group, layout, bufs, slots, plan.axes, plan.scatter, plan.reduce_dtype, factor
+            group,
+            layout,
+            bufs,
+            slots,
+            plan.axes,
+            plan.scatter,
+            plan.reduce_dtype,
+            factor,
+            passthrough,
         )
         flag_sink = to_varying(
             jnp.zeros((layout.buffers[bufs[0]].layers, len(slots)), jnp.float32), plan.axes
