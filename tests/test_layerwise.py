@@ -329,12 +329,6 @@ def test_memory_follows_the_cost_balanced_assignment(mesh8):
 
 
 # ------------------------------------------------------------------ checkpoint
-@pytest.mark.skip(
-    reason="after merging main (a441472) the first 8-device step of this test aborts the "
-    "process in XLA:CPU's collective rendezvous (4 devices wait in all-reduce op 1, 4 in "
-    "reduce-scatter op 1); it passes on the pre-merge tree (15db556) and the same step "
-    "passes in the other tests; kept visible for the lead, not hidden"
-)
 def test_checkpoint_saved_on_8_restores_on_4(mesh8, tmp_path):
     params, batches, loss, stacked = model("scanned", jnp.float32)
     tx, _ = build("muon", stacked)

@@ -316,9 +316,9 @@ def next_metrics(
 ) -> Any:
     """The step's :class:`~jaxsync.StepMetrics`, with no host sync.
 
-    On the first step of a run of skipped steps, one conditional branch (not run
-    on other steps) finds which params had non-finite *local* gradients and on
-    which devices: a ``psum`` and a ``pmin`` of one int per param over the mesh.
+    On the first step of a run of skipped steps it records which params had
+    non-finite *local* gradients and on which devices: a ``psum`` and a ``pmin`` of
+    one int per param over the mesh (run every step, kept only then).
     With ``unit_flags`` (``[units per device, params]``, deterministic mode) it
     counts and names *units* instead of devices, so the metrics do not depend
     on the data-parallel size either.
@@ -353,10 +353,14 @@ def next_metrics(
         first = jax.lax.pmin(jnp.where(flags > 0, device, none), mesh_axes)
         return count, jnp.where(count > 0, first, -1).astype(jnp.int32)
 
-    def keep(_: Any) -> tuple[jax.Array, jax.Array]:
-        return prev.nonfinite_devices, prev.first_nonfinite_device
-
-    count, first = jax.lax.cond(record, locate, keep, flags)
+    # Run every step and selected, not under a `lax.cond`: XLA:CPU runs a conditional
+    # concurrently with the collectives it does not depend on (the params' all-gather),
+    # so devices could enter its psum and another collective in different orders and
+    # deadlock (seen with whole-matrix owners, whose switch makes ranks finish apart).
+    # Two all-reduces of one int per param: no measurable cost.
+    count, first = locate(flags)
+    count = jnp.where(record, count, prev.nonfinite_devices)
+    first = jnp.where(record, first, prev.first_nonfinite_device)
     return StepMetrics(
         grad_norm=grad_norm,
         num_zeros=num_zeros,
