@@ -37,18 +37,23 @@ NOT_ELEMENTWISE = (
     "adagrad, ...). For global-norm clipping pass `clip_grad_norm=` (FSDP: "
     "`jaxsync.clip_by_global_norm(max_norm, axis_name=...)`) instead of "
     "`optax.clip_by_global_norm`; for weight-decay masks or per-group settings "
-    "pass `labels=` with one transformation per label instead of `mask=`. Optimizers "
+    "pass `labels=` with one transformation per label instead of `mask=` "
+    "(distributed_optimizer, train_step mode='ddp'/'zero'; FSDP takes no labels yet: "
+    "use mode='zero' for per-group settings). Optimizers "
     "that need whole matrices (optax.contrib.muon, factored adafactor, lamb, lars, "
     "Shampoo) cannot run on flat shards: with `jaxsync.distributed_optimizer`, route "
     "their params by `labels=` to `jaxsync.whole_matrices(tx)` (each matrix is then "
     "owned whole by one rank; for Muon e.g. `labels=jaxsync.muon_labels` with "
     "`{{'muon': jaxsync.whole_matrices(optax.contrib.muon(lr)), 'adamw': optax.adamw(lr)}}`). "
-    "To skip this check (at your own risk) pass `check_elementwise=False`."
+    "To skip this check (at your own risk) pass `check_elementwise=False` to "
+    "`jaxsync.distributed_optimizer` or `FullyShard.init_optimizer` (the explicit path; "
+    "`train_step` always probes)."
 )
 PROBE_FAILED = (
     "could not probe the optimizer for {what} on a tree shaped like the params: it "
     "raised {error!r}. Check that it accepts these params, or pass "
-    "`check_elementwise=False` to skip the probe."
+    "`check_elementwise=False` to `jaxsync.distributed_optimizer` or "
+    "`FullyShard.init_optimizer` to skip the probe (`train_step` always probes)."
 )
 
 #: Probe cost cap in elements: above it, dimensions are capped (never below
