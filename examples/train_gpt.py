@@ -33,6 +33,10 @@ from __future__ import annotations
 import os
 import sys
 
+if "JAX_PLATFORMS" not in os.environ and not os.path.exists("/proc/driver/nvidia"):
+    # No NVIDIA driver: run on the CPU without trying the CUDA plugin, which `make`
+    # installs for compile-only GPU targets and which cannot start here.
+    os.environ["JAX_PLATFORMS"] = "cpu"
 if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "") and (
     os.environ.get("JAX_PLATFORMS", "cpu") == "cpu" and "JAXSYNC_COORDINATOR" not in os.environ
 ):
