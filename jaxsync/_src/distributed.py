@@ -169,8 +169,8 @@ def _exit_now_on_failure_code() -> None:
             return
         code = status if isinstance(status, int) else 1
         if not isinstance(status, int):
-            with contextlib.suppress(Exception):
-                print(status, file=sys.stderr)
+            with contextlib.suppress(Exception):  # what sys.exit(message) writes
+                sys.stderr.write(f"{status}\n")
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(Exception):
                 stream.flush()
