@@ -83,26 +83,32 @@ def test_integer_params_are_refused_in_every_mode(mesh, mode):
         step.init(dict(PARAMS, n=jnp.arange(3)))
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_params_sharded_over_a_non_data_axis_are_refused(mode):
-    """Tensor-parallel specs over "model" used to be re-placed replicated: the "model"
-    devices silently repeated the same work."""
+def test_shardings_a_step_cannot_honour_are_named():
+    """Tensor-parallel specs over "model" used to be re-placed replicated (the "model"
+    devices silently repeated the work). They are honoured now (tests/test_two_d.py);
+    what a step cannot honour with them is an error naming the param and its spec."""
     require_devices(8)
     mesh2 = jax.make_mesh((4, 2), ("data", "model"))
     sharding = jax.sharding.NamedSharding(mesh2, jax.sharding.PartitionSpec(None, "model"))
     tp = dict(PARAMS, w=jax.device_put(PARAMS["w"], sharding))
-    step = jaxsync.train_step(mse, optax.sgd(0.1), mesh2, mode=mode)
-    with pytest.raises(ValueError, match=r"param w .*P\(None, 'model'\).*\('model',\)"):
+    cases = [
+        (dict(mode="ddp", rules=jaxsync.SyncRules()), r"`rules`"),
+        (dict(mode="zero", deterministic=True), r"`deterministic`"),
+        (dict(mode="fsdp", units=["w"]), r"FSDP `units`"),
+    ]
+    for kwargs, what in cases:
+        step = jaxsync.train_step(mse, optax.sgd(0.1), mesh2, **kwargs)
+        with pytest.raises(ValueError, match=rf"param w .*\('model',\).*{what}"):
+            step.init(tp)
+    # a mesh without the spec's axis, and a spec that does not divide its dim
+    mesh8 = jax.make_mesh((8,), ("data",))
+    step = jaxsync.train_step(mse, optax.sgd(0.1), mesh8)
+    with pytest.raises(ValueError, match=r"param w .*over \['model'\], which the step's mesh"):
         step.init(tp)
-    abstract = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tp
-    )
-    with pytest.raises(ValueError, match="param w"):
-        step.abstract_state(abstract)
-    # replicated, or sharded over the data axis only, is what the modes honour
-    data = jax.sharding.NamedSharding(mesh2, jax.sharding.PartitionSpec("data"))
-    state = step.init(dict(PARAMS, w=jax.device_put(PARAMS["w"], data)))
-    np.testing.assert_array_equal(step.params(state)["w"], PARAMS["w"])
+    odd = jax.ShapeDtypeStruct((3, 5), jnp.float32, sharding=sharding)
+    step = jaxsync.train_step(mse, optax.sgd(0.1), mesh2)
+    with pytest.raises(ValueError, match=r"param w .*dimension 1 \(size 5\).*size 2"):
+        step.abstract_state(dict(PARAMS, w=odd))
 
 
 @pytest.mark.parametrize("mode", ("ddp", "fsdp"))

@@ -338,7 +338,9 @@ def next_metrics(
         ).astype(jnp.int32)
 
     def locate(flags: jax.Array) -> tuple[jax.Array, jax.Array]:
-        mesh_axes = tuple(jax.sharding.get_abstract_mesh().axis_names)
+        # The manual axes: on a 2-D step the compiler's axes hold no per-device flags.
+        mesh = jax.sharding.get_abstract_mesh()
+        mesh_axes = tuple(a for a in mesh.axis_names if a in mesh.manual_axes)
         flags = to_varying(flags, mesh_axes)
         device = jax.lax.axis_index(mesh_axes)
         if unit_flags is not None:  # global unit index of each row, then per param

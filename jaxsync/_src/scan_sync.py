@@ -209,6 +209,9 @@ def tap(layer: Any) -> Any:
       ...     return block(p, x), None
       >>> x, _ = jax.lax.scan(body, x, params["blocks"])
     """
+    own = getattr(type(layer), "jaxsync_tap", None)  # a 2-D step's view (jaxsync.dims)
+    if own is not None:
+        return own(layer)
     if not isinstance(layer, LayerStack):
         gather = getattr(layer, "jaxsync_gather", None)  # FSDP's stacked shards
         return layer if gather is None else gather()

@@ -42,6 +42,7 @@ from .nnx_bridge import is_graphdef, is_module, merge_split, split_model
 from .optimizer import distributed_optimizer
 from .optimizer_state import initial_metrics
 from .portable import signature
+from .spec_step import compiler_axes, make_state, project, spec_master, spec_params
 from .step_body import Plan, per_device
 from .step_checks import (
     batch_rows,
@@ -101,8 +102,12 @@ class TrainStep:
         model, params, rest = self._split(params, nnx_states, "TrainStep.init")
         check_processes_at_init(self, params, rest)
         # Copies: the step donates the state, which must never delete the caller's
-        # arrays (or the module's, for an nnx.Module).
-        params, rest = _replicated_copy((params, rest), self.mesh)
+        # arrays (or the module's, for an nnx.Module). Params the compiler shards
+        # over other axes keep their sharding (copied by spec_step.make_state).
+        if compiler_axes(params, self.axis_name):
+            rest = _replicated_copy(rest, self.mesh)
+        else:
+            params, rest = _replicated_copy((params, rest), self.mesh)
         state, plan = self._make(model, params, rest)
         state = _distinct(state)
         self._register(state, plan)
@@ -150,15 +155,18 @@ class TrainStep:
                 f"{fn}: `params` must be a non-empty pytree of arrays or an nnx.Module; {what}."
             )
         check_float_params(params, self.mode, fn)
-        check_param_shardings(params, self.axis_name, fn)
+        check_param_shardings(params, self, fn)
         check_deterministic_state(self.deterministic, rest, self.mode, fn)
         return model, params, rest
 
     def _make(self, model: Any, params: PyTree, rest: PyTree) -> tuple[TrainState, Plan]:
         """The state and its plan from replicated ``params`` (traceable: no host reads)."""
+        if compiler_axes(params, self.axis_name):
+            state, specs, tx, dims = make_state(self, params, rest)
+            return state, Plan(model, _template(params), tx, None, specs, None, dims)  # type: ignore[arg-type]
         mesh, axes, rep = self.mesh, self.axis_name, NamedSharding(self.mesh, P())
         n_leaves = len(jax.tree.leaves(params))
-        template = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+        template = _template(params)
         fs, tx = None, self.tx
         if self.mode == "zero":
             tx = distributed_optimizer(
@@ -262,13 +270,27 @@ class TrainStep:
     def _build(self, plan: Plan) -> Callable[..., Any]:
         axes = self.axis_name
         data = axes if len(axes) > 1 else axes[0]
+        donate = (0,) if self.donate else ()
+        step = lambda state, batch: per_device(self, plan, state, batch)  # noqa: E731
+        if plan.dims is None:
+            body = jax.shard_map(
+                step, mesh=self.mesh, in_specs=(plan.specs, P(data)), out_specs=(plan.specs, P())
+            )
+            return jax.jit(body, donate_argnums=donate)
+        # Manual over the data axes (and any axis no param uses); the compiler
+        # partitions the rest, and the jit pins the state's whole shardings.
+        manual = plan.dims.manual(self.mesh)
+        is_spec = lambda x: isinstance(x, P)  # noqa: E731
+        local = jax.tree.map(lambda s: project(s, manual), plan.specs, is_leaf=is_spec)
         body = jax.shard_map(
-            lambda state, batch: per_device(self, plan, state, batch),
-            mesh=self.mesh,
-            in_specs=(plan.specs, P(data)),
-            out_specs=(plan.specs, P()),
-        )
-        return jax.jit(body, donate_argnums=(0,) if self.donate else ())
+            step, mesh=self.mesh, in_specs=(local, P(data)), out_specs=(local, P()),
+            axis_names=manual,
+        )  # fmt: skip
+        whole = jax.tree.map(lambda s: NamedSharding(self.mesh, s), plan.specs, is_leaf=is_spec)
+        return jax.jit(
+            body, in_shardings=(whole, None), out_shardings=(whole, NamedSharding(self.mesh, P())),
+            donate_argnums=donate,
+        )  # fmt: skip
 
     # ------------------------------------------------------------ state API
     def state_specs(self, state: TrainState) -> TrainState:
@@ -296,6 +318,8 @@ class TrainStep:
         """The params as a pytree shaped like the ones given to ``init``, replicated
         (FSDP: gathered from the shards, in the params' own dtypes)."""
         plan = self._plan(state, "TrainStep.params")
+        if plan.dims is not None:
+            return spec_params(self, plan, state)
         if plan.fs is None:
             return state.params
         full = plan.fs.unshard(state.params)
@@ -309,6 +333,8 @@ class TrainStep:
         keeps no separate master).
         """
         plan = self._plan(state, "TrainStep.master")
+        if plan.dims is not None:
+            return spec_master(self, plan, state)
         if plan.fs is not None:
             return plan.fs.unshard(state.params)
         if self.mode == "ddp":
@@ -337,6 +363,10 @@ def _replicated_copy(tree: PyTree, mesh: Mesh) -> PyTree:
         lambda t: jax.tree.map(jnp.copy, t), mesh=mesh, in_specs=P(), out_specs=P()
     )
     return jax.jit(copy)(placed)
+
+
+def _template(params: PyTree) -> PyTree:
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
 
 
 def _full_spec(spec: P, ndim: int) -> P:

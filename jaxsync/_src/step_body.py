@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from .axes import varying_axes
+from .dims import DimStack
 from .exact_sync import nonfinite_flags
 from .fsdp import ShardedLayers, check_microbatches
 from .grad_sync import accumulate_grads, all_reduce_grads, value_and_grad
@@ -39,10 +40,15 @@ class Plan:
     fs: Any
     specs: TrainState
     fn: Callable[..., Any]
+    dims: Any = None  # a spec_step.SpecLayout when params are sharded over other axes
 
 
 def per_device(cfg: Any, plan: Plan, state: TrainState, batch: Any) -> tuple[TrainState, Any]:
     """One step on this device's rows: ``(new state, loss averaged over devices)``."""
+    if plan.dims is not None:
+        from .spec_step import spec_body
+
+        return spec_body(cfg, plan, state, batch)
     body = {"zero": zero_body, "ddp": ddp_body, "fsdp": fsdp_body}[cfg.mode]
     return body(cfg, plan, state, batch)
 
@@ -226,9 +232,12 @@ def split_views(params: Any, stacked: Sequence[str], template: Any) -> tuple[Any
         return params, views
 
     def walk(node: Any, tmpl: Any, prefix: str) -> Any:
-        if isinstance(node, LayerStack | ShardedLayers):
+        if isinstance(node, LayerStack | ShardedLayers | DimStack):
             views[prefix] = node
-            return node.params if isinstance(node, LayerStack) else tmpl
+            plain = isinstance(node, LayerStack) or (
+                isinstance(node, DimStack) and not node.holds_shards
+            )
+            return node.params if plain else tmpl
         if isinstance(node, dict):
             return {
                 k: walk(v, tmpl[k], f"{prefix}.{k}" if prefix else str(k)) for k, v in node.items()

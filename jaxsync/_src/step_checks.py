@@ -129,34 +129,73 @@ def checked_labels(labels: Any, inner: dict[str, Any]) -> Any:
     return labels_of
 
 
-MODEL_AXIS_SPEC = (
-    "{fn}: param {param} (shape {shape}) carries the sharding {spec}, over mesh axes {other} "
-    "that are not the data-parallel axes {axes}. train_step runs every param replicated "
-    "outside the data axes, so it would drop that sharding and every device along {other} "
-    "would repeat the same work (tensor parallelism by specs is not supported by "
-    "train_step yet). Pass the params replicated (or sharded over {axes} only) and a mesh of "
-    "the data axes, or write the step on the explicit path (jax.shard_map with "
-    "`param_specs=` for distributed_optimizer, and your model's collectives over {other})."
+SPEC_AXIS_UNKNOWN = (
+    "{fn}: param {param} (shape {shape}) carries the sharding {spec}, over {missing}, which "
+    "the step's mesh {names} does not have. Shard the params over the step's mesh (the "
+    "same axis names), or build the step with that mesh."
+)
+SPEC_NOT_SUPPORTED = (
+    "{fn}: param {param} (shape {shape}) is sharded over {other} ({spec}), so the step leaves "
+    "{other} to the compiler (tensor parallelism by specs); {what} cannot run there: {fix}."
+)
+SPEC_DIVIDES = (
+    "{fn}: param {param} (shape {shape}) carries the sharding {spec}, and dimension {dim} "
+    "(size {size}) does not divide over {axes} (size {n}). Choose a spec whose axes divide "
+    "the dims they shard."
 )
 
 
-def check_param_shardings(params: PyTree, axes: tuple[str, ...], fn: str) -> None:
-    """A param sharded over a non-data axis is an error, never silently replicated."""
+def check_param_shardings(params: PyTree, cfg: Any, fn: str) -> None:
+    """What a step cannot honour about its params' shardings is an error, never a
+    silent replication: axes the mesh lacks, specs that do not divide, and options
+    that need every param replicated outside the data axes."""
+    mesh, data = cfg.mesh, cfg.axis_name
+    first = None
     for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
-        sharding = getattr(x, "sharding", None)
-        spec = getattr(sharding, "spec", None)
+        spec = getattr(getattr(x, "sharding", None), "spec", None)
         if spec is None:
             continue
-        used = [a for entry in spec if entry is not None
-                for a in (entry if isinstance(entry, tuple) else (entry,))]  # fmt: skip
-        other = [a for a in used if a not in axes]
-        if other:
+        name, shape = param_name(path), tuple(np.shape(x))
+        for dim, entry in enumerate(spec):
+            axes = () if entry is None else entry if isinstance(entry, tuple) else (entry,)
+            missing = [a for a in axes if a not in mesh.axis_names]
+            if missing:
+                raise ValueError(
+                    SPEC_AXIS_UNKNOWN.format(
+                        fn=fn, param=name, shape=shape, spec=spec, missing=missing,
+                        names=dict(mesh.shape),
+                    )
+                )  # fmt: skip
+            n = int(np.prod([mesh.shape[a] for a in axes]))
+            if dim < len(shape) and shape[dim] % n:
+                raise ValueError(
+                    SPEC_DIVIDES.format(
+                        fn=fn, param=name, shape=shape, spec=spec, dim=dim, size=shape[dim],
+                        axes=axes, n=n,
+                    )
+                )  # fmt: skip
+            other = tuple(a for a in axes if a not in data)
+            if other and first is None:
+                first = (name, shape, spec, other)
+    if first is None:
+        return
+    unsupported = [
+        (cfg.rules is not None, "`rules` (SyncRules)",
+         "the compiler already reduces each gradient over the axes it shards; drop `rules`"),
+        (cfg.deterministic is not None, "`deterministic`",
+         "its fixed-point sums need every param whole on each device; drop it, or pass "
+         "the params replicated outside the data axes"),
+        (cfg.units is not None, "FSDP `units`",
+         "each param is gathered on its own where the model uses it; drop `units`"),
+    ]  # fmt: skip
+    for bad, what, fix in unsupported:
+        if bad:
+            name, shape, spec, other = first
             raise ValueError(
-                MODEL_AXIS_SPEC.format(
-                    fn=fn, param=param_name(path), shape=tuple(np.shape(x)), spec=spec,
-                    other=tuple(other), axes=axes,
+                SPEC_NOT_SUPPORTED.format(
+                    fn=fn, param=name, shape=shape, spec=spec, other=other, what=what, fix=fix
                 )
-            )  # fmt: skip
+            )
 
 
 def check_float_params(params: PyTree, mode: str, fn: str) -> None:

@@ -1,0 +1,372 @@
+""":func:`jaxsync.train_step` when params are also sharded over other mesh axes.
+
+A param that arrives with a ``NamedSharding`` over an axis that is not a data
+axis (``"model"``) keeps it: the step's ``shard_map`` is manual over the data
+axes only and the compiler partitions the model over the others, from the
+model's single-device code. jaxsync reduces over the data axes and shards the
+optimizer over them, param by param along a free dimension (:mod:`dims`):
+
+- ``"ddp"``: each gradient all-reduced in ``reduce_dtype``; optax state shaped
+  and sharded like the params.
+- ``"zero"``: each gradient reduce-scattered; fp32 master shards and the optax
+  state on them (:class:`SpecZeroState`); new params all-gathered.
+- ``"fsdp"``: fp32 param shards held; each gathered where the model uses it and
+  its gradient reduce-scattered in the backward.
+
+Stacked groups are reduced (and, for FSDP, gathered) inside the backward scan
+by :func:`jaxsync.tap`, as on a 1-D mesh. Clipping, loss scaling and skipped
+steps are the same :func:`guarded_update` as the other modes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from .axes import mesh_axes_size, to_varying
+from .dims import (
+    DimPlan,
+    DimStack,
+    DimSync,
+    DimTapSpec,
+    gather,
+    gather_params,
+    pad,
+    plan_param,
+    reduce,
+    spec_axes,
+    unpad,
+)
+from .fsdp import check_microbatches
+from .loss_scale import init_loss_scale
+from .names import group_of, param_name
+from .optimizer_state import initial_metrics
+from .tap_rules import check_taps
+from .train_state import GuardState, TrainState, global_stats, guarded_update
+
+PyTree = Any
+
+
+class SpecZeroState(NamedTuple):
+    """ZeRO's state for compiler-sharded params: fp32 master shards, optax state on them."""
+
+    master: PyTree
+    inner: PyTree
+
+
+def compiler_axes(params: PyTree, data: tuple[str, ...]) -> tuple[str, ...]:
+    """Mesh axes, other than the data axes, that some param is sharded over."""
+    found: dict[str, None] = {}
+    for x in jax.tree.leaves(params):
+        spec = getattr(getattr(x, "sharding", None), "spec", None)
+        for entry in spec or ():
+            for a in spec_axes(entry):
+                if a not in data:
+                    found[a] = None
+    return tuple(found)
+
+
+def param_spec(x: Any, data: tuple[str, ...]) -> P:
+    """A param's spec without the data axes (the step replicates it over those)."""
+    spec = getattr(getattr(x, "sharding", None), "spec", None) or P()
+    entries = []
+    for entry in tuple(spec) + (None,) * (len(x.shape) - len(spec)):
+        kept = tuple(a for a in spec_axes(entry) if a not in data)
+        entries.append(None if not kept else kept[0] if len(kept) == 1 else kept)
+    return P(*entries)
+
+
+def project(spec: P, manual: frozenset[str]) -> P:
+    """``spec`` over the manual axes only (what ``shard_map``'s specs may name)."""
+    entries = []
+    for entry in spec:
+        kept = tuple(a for a in spec_axes(entry) if a in manual)
+        entries.append(None if not kept else kept[0] if len(kept) == 1 else kept)
+    return P(*entries)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class SpecLayout:
+    """The per-param plans of one 2-D step and the axes it is manual over."""
+
+    plans: PyTree  # a DimPlan per param, shaped like the params
+    data: tuple[str, ...]
+    compiler: tuple[str, ...]
+    stacked: tuple[str, ...]
+
+    def leaves(self) -> list[DimPlan]:
+        return jax.tree.leaves(self.plans, is_leaf=lambda x: isinstance(x, DimPlan))
+
+    def map(self, fn: Any, *trees: PyTree) -> PyTree:
+        return jax.tree.map(fn, self.plans, *trees, is_leaf=lambda x: isinstance(x, DimPlan))
+
+    def padding(self, sharded: bool) -> int:
+        return sum(p.padding for p in self.leaves()) if sharded else 0
+
+    def manual(self, mesh: Mesh) -> frozenset[str]:
+        return frozenset(a for a in mesh.axis_names if a not in self.compiler)
+
+
+def plan_layout(
+    params: PyTree, data: tuple[str, ...], compiler: tuple[str, ...], n: int, stacked: tuple
+) -> SpecLayout:
+    def one(path: Any, x: Any) -> DimPlan:
+        name = param_name(path)
+        layered = group_of(name, stacked) is not None
+        return plan_param(name, tuple(x.shape), x.dtype, param_spec(x, data), n, layered)
+
+    plans = jax.tree_util.tree_map_with_path(one, params)
+    return SpecLayout(plans, data, compiler, stacked)
+
+
+def make_state(cfg: Any, params: PyTree, rest: PyTree) -> tuple[TrainState, TrainState, Any, SpecLayout]:
+    """``(state, full specs, optimizer, layout)`` for compiler-sharded ``params`` (traceable)."""
+    mesh, data = cfg.mesh, cfg.axis_name
+    n = mesh_axes_size(mesh, data, "jaxsync.train_step")
+    layout = plan_layout(params, data, compiler_axes(params, data), n, cfg.stacked)
+    tx = cfg.tx
+    if isinstance(tx, Mapping):  # labels with a mapping (zero/fsdp; ddp wrapped it already)
+        from .step_checks import checked_labels
+
+        tx = optax.multi_transform(dict(tx), checked_labels(cfg.labels, dict(tx)))
+    sharding = lambda spec: NamedSharding(mesh, spec)  # noqa: E731
+    param_specs = layout.map(lambda p: P(*p.spec))
+    shard_specs = layout.map(lambda p: p.shard_spec(data))
+    params = jax.jit(
+        lambda t: jax.tree.map(jnp.copy, t), out_shardings=jax.tree.map(sharding, param_specs)
+    )(params)
+    if cfg.mode == "ddp":
+        held, held_specs, trained = params, param_specs, params
+    else:
+        master = jax.jit(
+            lambda t: layout.map(lambda p, x: pad(x.astype(jnp.float32), p), t),
+            out_shardings=jax.tree.map(sharding, shard_specs),
+        )(params)
+        trained = master
+        held, held_specs = (master, shard_specs) if cfg.mode == "fsdp" else (params, param_specs)
+    inner_specs = _state_specs(tx, trained, shard_specs if cfg.mode != "ddp" else param_specs)
+    inner = jax.jit(tx.init, out_shardings=jax.tree.map(sharding, inner_specs))(trained)
+    opt_state, opt_specs = inner, inner_specs
+    if cfg.mode == "zero":
+        opt_state = SpecZeroState(trained, inner)
+        opt_specs = SpecZeroState(shard_specs, inner_specs)
+    rep = NamedSharding(mesh, P())
+    guard = jax.device_put(
+        GuardState(init_loss_scale(cfg.loss_scale), initial_metrics(len(layout.leaves()))), rep
+    )
+    state = TrainState(jax.device_put(jnp.zeros((), jnp.int32), rep), held, opt_state, rest, guard)
+    specs = TrainState(
+        P(), held_specs, opt_specs, jax.tree.map(lambda _: P(), rest),
+        jax.tree.map(lambda _: P(), guard),
+    )  # fmt: skip
+    return state, specs, tx, layout
+
+
+def _state_specs(tx: Any, params: PyTree, specs: PyTree) -> PyTree:
+    """Specs of ``tx``'s state: param-shaped leaves as ``specs``, the rest replicated."""
+    shapes = jax.eval_shape(tx.init, params)
+    return optax.tree_map_params(
+        tx, lambda _, s: s, shapes, specs,
+        transform_non_params=lambda _: P(), is_leaf=lambda x: isinstance(x, P),
+    )  # fmt: skip
+
+
+# ------------------------------------------------------------------ the step
+
+
+def spec_body(cfg: Any, plan: Any, state: TrainState, batch: Any) -> tuple[TrainState, Any]:
+    """One 2-D step on this data rank's rows (inside the data-manual shard_map)."""
+    from .step_body import finish, loss_of, unscale
+
+    layout: SpecLayout = plan.dims
+    data, mode = layout.data, cfg.mode
+    n = jax.lax.axis_size(data)
+    fsdp, scatter = mode == "fsdp", mode != "ddp"
+    policy = cfg.policy
+    sync = DimSync(
+        axes=data,
+        reduce_dtype=jnp.dtype(
+            (policy.reduce_dtype if fsdp and policy is not None else cfg.reduce_dtype)
+            or jnp.float32
+        ).name,
+        factor=1.0 / (n * cfg.microbatches),
+        scatter=scatter,
+        compute_dtype=None if not (fsdp and policy is not None and policy.param_dtype)
+        else jnp.dtype(policy.param_dtype).name,
+        fsdp=fsdp,
+    )  # fmt: skip
+    loss = loss_of(cfg, plan, state)
+    plans = layout.leaves()
+    treedef = jax.tree.structure(layout.plans, is_leaf=lambda x: isinstance(x, DimPlan))
+    names = [p.name for p in plans]
+    groups = {g: [i for i, nm in enumerate(names) if group_of(nm, (g,))] for g in cfg.stacked}
+    in_group = {i for idx in groups.values() for i in idx}
+    free = [i for i in range(len(plans)) if i not in in_group]
+    leaves = treedef.flatten_up_to(state.params)
+
+    if fsdp:
+        # Shards are per-device values; a param kept whole stays replicated (its
+        # gradient is all-reduced by the gather's backward, to an invariant value).
+        diff = {
+            "leaves": [
+                x if p.dim is None else to_varying(x, data)
+                for x, p in zip(leaves, plans, strict=True)
+            ]
+        }
+    else:
+        varying = [to_varying(x, data) for x in leaves]
+        sinks = {
+            g: [_sink(plans[i], varying[i], sync) for i in idx] for g, idx in groups.items()
+        }
+        diff = {"free": [varying[i] for i in free], "sinks": sinks}
+
+    def view(diff: dict) -> PyTree:
+        out: list[Any] = [None] * len(plans)
+        if fsdp:
+            got = gather_params([diff["leaves"][i] for i in free], [plans[i] for i in free], sync)
+            for i, x in zip(free, got, strict=True):
+                out[i] = x
+        else:
+            for i, x in zip(free, diff["free"], strict=True):
+                out[i] = x
+        tree = jax.tree.unflatten(treedef, out)
+        for g, idx in groups.items():
+            sub = _group_subtree(layout.plans, g)
+            spec = DimTapSpec(
+                g, sync, tuple(plans[i].layer() for i in idx), jax.tree.structure(
+                    sub, is_leaf=lambda x: isinstance(x, DimPlan))
+            )  # fmt: skip
+            params_g = [diff["leaves"][i] if fsdp else varying[i] for i in idx]
+            sinks_g = None if fsdp else diff["sinks"][g]
+            stack = DimStack(jax.tree.unflatten(spec.treedef, params_g), sinks_g, spec)
+            tree = _put_group(tree, g, stack)
+        return tree
+
+    def f(diff: dict, b: Any) -> Any:
+        return loss(view(diff), b)
+
+    if cfg.stacked:
+        check_taps(jax.make_jaxpr(f)(diff, _first(batch, cfg.microbatches)).jaxpr,
+                   tuple(groups), data, False)  # fmt: skip
+    grad_fn = jax.value_and_grad(f, has_aux=True)
+    if cfg.microbatches == 1:
+        (out, rest), g = grad_fn(diff, batch)
+    else:
+        check_microbatches(cfg.microbatches, batch)
+        mbs = jax.tree.map(lambda x: x.reshape(cfg.microbatches, -1, *x.shape[1:]), batch)
+
+        def one(acc: Any, mb: Any) -> Any:
+            (o, r), gi = grad_fn(diff, mb)
+            return jax.tree.map(jnp.add, acc, gi), (o, r)
+
+        zero = jax.tree.map(lambda x: jnp.zeros(x.shape, _grad_dtype(x)), diff)
+        g, (outs, rests) = jax.lax.scan(one, zero, mbs)
+        out = jnp.mean(outs)
+        rest = jax.tree.map(lambda x: x[-1], rests)
+    grads: list[Any] = [None] * len(plans)
+    if fsdp:
+        grads = list(g["leaves"])
+    else:
+        for i, gi in zip(free, g["free"], strict=True):
+            grads[i] = reduce(gi, plans[i], data, sync.reduce_dtype, sync.factor, scatter)
+        for grp, idx in groups.items():
+            for i, gi in zip(idx, g["sinks"][grp], strict=True):
+                grads[i] = gi
+    dtypes = [jnp.float32 if scatter else jnp.dtype(p.dtype) for p in plans]
+    grads = [x.astype(d) for x, d in zip(grads, dtypes, strict=True)]
+    grads = unscale(jax.tree.unflatten(treedef, grads), state.loss_scale.scale)
+    stats = _stats(jax.tree.leaves(grads), plans, data, scatter)
+    if mode != "zero":
+        return finish(cfg, plan, state, grads, grads, stats, out, rest)
+    inner_state = state._replace(params=state.opt_state.master, opt_state=state.opt_state.inner)
+    new, mean = finish(cfg, plan, inner_state, grads, grads, stats, out, rest)
+    params = layout.map(
+        lambda p, m, old: gather(m, p, data).astype(old.dtype), new.params, state.params
+    )
+    return new._replace(params=params, opt_state=SpecZeroState(new.params, new.opt_state)), mean
+
+
+def _grad_dtype(x: Any) -> Any:
+    return x.dtype if jnp.issubdtype(x.dtype, jnp.floating) else jnp.float32
+
+
+def _first(batch: Any, microbatches: int) -> Any:
+    if microbatches == 1:
+        return batch
+    return jax.tree.map(lambda x: x[: x.shape[0] // microbatches], batch)
+
+
+def _sink(plan: DimPlan, x: jax.Array, sync: DimSync) -> jax.Array:
+    """Zeros shaped like the stacked gradient after the reduction (local over data)."""
+    shape = list(x.shape)
+    if sync.scatter and plan.dim is not None:
+        shape[plan.dim] = plan.padded // jax.lax.axis_size(sync.axes)
+    zeros = jnp.zeros(shape, sync.reduce_dtype)
+    return to_varying(zeros, sync.axes) if sync.scatter and plan.dim is not None else zeros
+
+
+def _stats(grads: list, plans: list[DimPlan], data: tuple[str, ...], scatter: bool) -> Any:
+    """Global squared norm and zero count: shards summed over the data axes, whole
+    (all-reduced) gradients counted once; padding zeros left out."""
+    cut = [g for g, p in zip(grads, plans, strict=True) if scatter and p.dim is not None]
+    whole = [g for g, p in zip(grads, plans, strict=True) if not (scatter and p.dim is not None)]
+    padding = sum(p.padding for p in plans if scatter and p.dim is not None)
+    sq, zeros = jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32)
+    if cut:
+        s, z = global_stats(cut, data, padding)
+        sq, zeros = sq + s, zeros + z
+    if whole:
+        s, z = global_stats(whole)
+        sq, zeros = sq + s, zeros + z
+    return sq, zeros
+
+
+def _group_subtree(tree: PyTree, group: str) -> PyTree:
+    for key in group.split("."):
+        tree = tree[key]
+    return tree
+
+
+def _put_group(tree: PyTree, group: str, value: Any) -> PyTree:
+    keys = group.split(".")
+
+    def put(node: Any, i: int) -> Any:
+        node = dict(node)
+        node[keys[i]] = value if i == len(keys) - 1 else put(node[keys[i]], i + 1)
+        return node
+
+    return put(tree, 0)
+
+
+# ------------------------------------------------------------- the state API
+
+
+def spec_params(cfg: Any, plan: Any, state: TrainState) -> PyTree:
+    """The whole params in their own dtypes and shardings (FSDP: gathered)."""
+    if cfg.mode != "fsdp":
+        return state.params
+    return _unsharded(cfg, plan, state.params, cast=True)
+
+
+def spec_master(cfg: Any, plan: Any, state: TrainState) -> PyTree:
+    """The fp32 master weights, whole, sharded like the params."""
+    if cfg.mode == "ddp":
+        return jax.tree.map(lambda x: x.astype(jnp.float32), state.params)
+    held = state.params if cfg.mode == "fsdp" else state.opt_state.master
+    return _unsharded(cfg, plan, held, cast=False)
+
+
+def _unsharded(cfg: Any, plan: Any, shards: PyTree, cast: bool) -> PyTree:
+    layout: SpecLayout = plan.dims
+    out = layout.map(lambda p: NamedSharding(cfg.mesh, P(*p.spec)))
+    fn = lambda t: layout.map(  # noqa: E731
+        lambda p, x: unpad(x, p).astype(p.dtype if cast else x.dtype), t
+    )
+    return jax.jit(fn, out_shardings=out)(shards)

@@ -1,0 +1,100 @@
+"""Tensor parallelism by specs: a GPT on (data=4, model=2), model code as on one device.
+
+The params carry ``NamedSharding``s over ``"model"`` (tests/tp_gpt.py); the step is
+manual over ``"data"`` only and GSPMD partitions the model. Each mode must match
+single-device optax, keep the tensor-parallel per-device shapes, shard its
+optimizer state 1/4 over the data axis on top of them, and reduce inside the
+backward loop.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxsync
+from conftest import require_devices
+from helpers import run_reference
+from tp_gpt import gpt_batches, gpt_loss, gpt_params, tp_specs
+
+#: Per-device shapes of the params under tp_specs (the "model" dims halved).
+TP_SHAPES = {
+    "embed": (32, 16), "head": (16, 16), "ln_f": (16,),
+    "blocks.ln1": (2, 16), "blocks.ln2": (2, 16), "blocks.qkv": (2, 16, 24),
+    "blocks.out": (2, 8, 16), "blocks.up": (2, 16, 16), "blocks.up_b": (2, 16),
+    "blocks.down": (2, 16, 16),
+}  # fmt: skip
+#: ...and of their ZeRO/FSDP shards: the first free dim (not the layer axis, not a
+#: "model" dim) cut in 4; up_b has none (layer axis + "model"), so it stays whole.
+SHARD_SHAPES = {
+    "embed": (8, 16), "head": (4, 16), "ln_f": (4,),
+    "blocks.ln1": (2, 4), "blocks.ln2": (2, 4), "blocks.qkv": (2, 4, 24),
+    "blocks.out": (2, 8, 4), "blocks.up": (2, 4, 16), "blocks.up_b": (2, 16),
+    "blocks.down": (2, 16, 4),
+}  # fmt: skip
+
+
+def mesh_2d():
+    require_devices(8)
+    return jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+
+
+def placed(mesh, params):
+    return jax.tree.map(
+        lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), params, tp_specs(),
+        is_leaf=lambda x: isinstance(x, P),
+    )  # fmt: skip
+
+
+def local_shapes(tree):
+    flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return {
+        ".".join(str(k.key) for k in path): x.addressable_shards[0].data.shape
+        for path, x in flat
+    }
+
+
+@pytest.mark.parametrize("mode", ["zero", "ddp", "fsdp"])
+def test_gpt_on_data_and_model_axes(mode):
+    mesh = mesh_2d()
+    params = gpt_params(jax.random.key(0))
+    batches = gpt_batches(jax.random.key(1), 2, 8)
+    tx = optax.adamw(1e-2, weight_decay=0.1)
+    step = jaxsync.train_step(
+        gpt_loss, tx, mesh, mode=mode, stacked="blocks", clip_grad_norm=0.5
+    )
+    state = step.init(placed(mesh, params))
+    batch0 = (batches[0][0], batches[1][0])
+    compiled = step.lower(state, batch0).compile()
+    for i in range(2):
+        state, loss = step(state, (batches[0][i], batches[1][i]))
+        assert np.isfinite(loss)
+
+    # Single-device optax, with optax's clipping: same params to float rounding.
+    want, _ = run_reference(
+        optax.chain(optax.clip_by_global_norm(0.5), tx), params, batches, loss_fn=gpt_loss
+    )
+    got = step.params(state)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6), got, want)
+    assert int(state.step) == 2 and float(state.guard.metrics.grad_norm) > 0.5  # clipped
+
+    # The compiler keeps the tensor-parallel layout: per-device shapes halved over "model".
+    assert local_shapes(got) == TP_SHAPES
+    assert jax.tree.map(lambda x: x.sharding.spec, got)["blocks"]["qkv"] == P(None, None, "model")
+    held = local_shapes(state.params)
+    assert held == (SHARD_SHAPES if mode == "fsdp" else TP_SHAPES)
+    # The optimizer state: 1/4 over "data" on top of the TP split (DDP: the TP split).
+    mu = state.opt_state.inner[0].mu if mode == "zero" else state.opt_state[0].mu
+    assert local_shapes(mu) == (TP_SHAPES if mode == "ddp" else SHARD_SHAPES)
+    if mode == "zero":
+        assert local_shapes(state.opt_state.master) == SHARD_SHAPES
+
+    # The data reductions sit in the backward loop (FSDP's gathers in the forward one).
+    report = jaxsync.overlap_report(compiled)
+    kind = "all-reduce" if mode == "ddp" else "reduce-scatter"
+    assert report.in_loop(kind, role="backward"), report.summary()
+    if mode == "fsdp":
+        assert report.in_loop("all-gather", role="forward"), report.summary()
