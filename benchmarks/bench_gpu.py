@@ -102,12 +102,44 @@ def put(tree, sharding):
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=shard(x)), tree)
 
 
-def gspmd_sharding(mesh, stacked_keys=("blocks",)):
+#: Megatron's split of bench_scan's GPT over "model": column-parallel qkv, MLP up and
+#: head (their output dim), row-parallel attention out and MLP down (their input dim).
+TP_SPECS = {
+    "wqkv": P(None, None, "model"), "wo": P(None, "model", None),
+    "w_up": P(None, None, "model"), "b_up": P(None, "model"),
+    "w_down": P(None, "model", None), "w": P(None, "model"),
+}  # fmt: skip
+
+
+def tp_spec(path, x, mesh) -> P:
+    """The tensor-parallel spec of a leaf (replicated on a mesh without "model")."""
+    if "model" not in mesh.axis_names:
+        return P()
+    keys = [k.key for k in path if isinstance(k, jax.tree_util.DictKey)]
+    return TP_SPECS.get(keys[-1], P()) if keys else P()
+
+
+def with_tp(mesh):
+    """ShapeDtypeStructs carrying their tensor-parallel sharding (replicated over data)."""
+    return lambda tree: jax.tree_util.tree_map_with_path(
+        lambda path, x: jax.ShapeDtypeStruct(
+            x.shape, x.dtype, sharding=NamedSharding(mesh, tp_spec(path, x, mesh))
+        ), tree,
+    )  # fmt: skip
+
+
+def gspmd_sharding(mesh, stacked_keys=("blocks",), data=True):
+    """GSPMD's ZeRO placement: the TP spec, plus the data axis on the largest free dim."""
     n = mesh.shape[AXIS]
 
     def one(path, x):
         stacked = any(f"['{k}']" in jax.tree_util.keystr(path) for k in stacked_keys)
-        return NamedSharding(mesh, model.shard_spec(x.shape, n, stacked))
+        spec = list(tp_spec(path, x, mesh)) + [None] * x.ndim
+        free = [i for i in range(1 if stacked else 0, x.ndim)
+                if spec[i] is None and x.shape[i] % n == 0]  # fmt: skip
+        if data and free:
+            spec[max(free, key=lambda i: x.shape[i])] = AXIS
+        return NamedSharding(mesh, P(*spec[: x.ndim]))
 
     return lambda tree: jax.tree.map(
         lambda s, x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
@@ -122,6 +154,7 @@ def baselines(cfg, mesh, tokens) -> list[Case]:
     gloss = loss_fn(cfg, lambda x: jax.lax.with_sharding_constraint(x, act))
     opt = clipped()
     shard = gspmd_sharding(mesh)
+    tp = with_tp(mesh)
     master = shard(param_shapes(cfg, F32))
     opt_state = shard(jax.eval_shape(opt.init, master))
     msh, osh = (jax.tree.map(lambda x: x.sharding, t) for t in (master, opt_state))
@@ -162,6 +195,25 @@ def baselines(cfg, mesh, tokens) -> list[Case]:
         updates, opt_state = opt.update(g, opt_state, master)
         return (optax.apply_updates(master, updates), opt_state), loss
 
+    # data parallel with the TP split (2-D meshes): optax state sharded like the params
+    dsh = gspmd_sharding(mesh, data=False)
+    dmaster = dsh(param_shapes(cfg, F32))
+    dstate = (dmaster, dsh(jax.eval_shape(opt.init, dmaster)))
+    dshard = tuple(jax.tree.map(lambda x: x.sharding, t) for t in dstate)
+
+    @partial(jax.jit, donate_argnums=(0,), out_shardings=(dshard, rep))
+    def gspmd_ddp(state, tokens):
+        params, opt_state = state
+        loss, g = jax.value_and_grad(gloss)(model.cast(params, BF16), tokens)
+        updates, opt_state = opt.update(model.cast(g, F32), opt_state, params)
+        return (optax.apply_updates(params, updates), opt_state), loss
+
+    if "model" in mesh.axis_names:
+        return [
+            Case("gspmd_ddp", gspmd_ddp, (dstate, batch)),
+            Case("gspmd_zero1", gspmd_zero1, (zstate, batch)),
+            Case("gspmd_fsdp", gspmd_fsdp, ((master, opt_state), batch)),
+        ]
     return [
         Case("replicated", replicated, (rstate, batch)),
         Case("gspmd_zero1", gspmd_zero1, (zstate, batch)),
@@ -186,7 +238,8 @@ def jaxsync_cases(cfg, mesh, tokens) -> list[Case]:
             loss_fn(cfg, remat_policy=remat), tx(), mesh, mode=mode, stacked="blocks",
             clip_grad_norm=1.0, **kw,
         )  # fmt: skip
-        out.append(Case(name, step, (step.abstract_state(param_shapes(cfg, dtype)), batch)))
+        shapes = with_tp(mesh)(param_shapes(cfg, dtype))
+        out.append(Case(name, step, (step.abstract_state(shapes), batch)))
     return out
 
 
@@ -212,6 +265,8 @@ def main() -> None:
     ap.add_argument("--gpu", default="h100", choices=sorted(jaxsync.GPUS))
     ap.add_argument("--hosts", type=int, default=1)
     ap.add_argument("--gpus-per-host", type=int, default=8)
+    ap.add_argument("--tp", type=int, default=1,
+                    help="tensor-parallel size: a (data, model) mesh, TP specs on the params")
     ap.add_argument("--only", default="", help="comma-separated method names")
     ap.add_argument("--flags", choices=("both", "default", "perf"), default="both")
     ap.add_argument("--out", default="", help="also write the table (markdown) here")
@@ -220,11 +275,15 @@ def main() -> None:
     d, heads, layers, seq, vocab, rows = SIZES[size]
     cfg = model.Config(vocab=vocab, seq=seq, d_model=d, heads=heads, layers=layers,
                        batch_per_device=rows)  # fmt: skip
-    mesh = jaxsync.gpu_topology(args.gpu, hosts=args.hosts, gpus_per_host=args.gpus_per_host)
+    total = args.hosts * args.gpus_per_host
+    axes = {AXIS: total // args.tp, "model": args.tp} if args.tp > 1 else None
+    mesh = jaxsync.gpu_topology(
+        args.gpu, hosts=args.hosts, gpus_per_host=args.gpus_per_host, axes=axes
+    )
     gpu = jaxsync.GPUS[args.gpu]
-    n = mesh.size
+    n = mesh.shape[AXIS]
     nparams = sum(x.size for x in jax.tree.leaves(param_shapes(cfg, F32)))
-    tokens = (n * rows, seq + 1)
+    tokens = (n * rows, seq + 1)  # rows per data rank (a TP group shares its rows)
     cases = baselines(cfg, mesh, tokens) + jaxsync_cases(cfg, mesh, tokens)
     if args.only:
         keep = set(args.only.split(","))
@@ -232,9 +291,9 @@ def main() -> None:
     flag_sets = {"default": {}, "perf": dict(jaxsync.GPU_PERFORMANCE_OPTIONS)}
     if args.flags != "both":
         flag_sets = {args.flags: flag_sets[args.flags]}
-    bound = 2 * 4 * nparams * (n - 1) / n
+    bound = 2 * 4 * nparams / args.tp * (n - 1) / n  # a TP group's GPU holds ~1/tp
     title = (
-        f"{n} x {jaxsync.GPUS[args.gpu].name}, GPT d={d} L={layers} seq={seq} vocab={vocab}, "
+        f"{mesh.size} x {jaxsync.GPUS[args.gpu].name} {dict(mesh.shape)}, GPT d={d} L={layers} seq={seq} vocab={vocab}, "
         f"{nparams / 1e9:.2f}B params, {rows} rows/GPU, AdamW + clip; jax {jax.__version__}"
     )
     print(title, flush=True)
@@ -251,7 +310,9 @@ def main() -> None:
                 "roofline ms", "args MiB", "temps MiB", "fits"]  # fmt: skip
         rows_out = []
         for name, r in reports.items():
-            ref = reports.get(REFERENCE.get(name, ""))
+            ref = reports.get(REFERENCE.get(name, "")) or reports.get(
+                "gspmd_ddp" if name == "jaxsync_ddp" else ""
+            )
             rows_out.append([
                 name, f"{r.step_us / 1e3:.2f}",
                 f"{r.step_us / ref.step_us:.2f}x" if ref else "",

@@ -229,6 +229,19 @@ def check_nnx_scanned(ns: dict, ctx: SimpleNamespace) -> None:
     assert all(shard_fraction(x) == 1 / 8 for x in jax.tree.leaves(state.params))
 
 
+def check_two_d(ns: dict, ctx: SimpleNamespace) -> None:
+    step, state, host = ns["step2"], ns["state2"], ns["host"]
+    local = lambda x: x.addressable_shards[0].data.shape  # noqa: E731
+    assert local(state.params["up"]) == (8, 32) and local(state.params["down"]) == (32, 1)
+    assert local(state.opt_state.master["up"]) == (2, 32)  # 1/4 over data, 1/2 over model
+    # "down" [64, 1]: dim 0 is "model"'s, dim 1 too small to cut: kept whole per data rank
+    assert local(state.opt_state.inner[0].mu["down"]) == (32, 1)
+    x = ns["x"]
+    batch = (x, np.sin(x).sum(1, keepdims=True))
+    np.testing.assert_allclose(ns["loss2"], ns["mlp"](host, batch), rtol=1e-5)
+    close(step.params(state), one_step(optax.adamw(1e-2), ns["mlp"], host, batch))
+
+
 def setup_accumulate(ns: dict, ctx: SimpleNamespace) -> None:
     ns["opt_state"] = ns["tx"].sharded_init(ns["params"], ns["mesh"])  # a fresh run
     ctx.params = ns["params"]
@@ -539,6 +552,7 @@ SPECS = {
     "quickstart": Spec(setup_quickstart, check_quickstart),
     "train_step": Spec(setup_ddp, check_train_step),
     "nnx_scanned": Spec(setup_nnx_scanned, check_nnx_scanned),
+    "two_d": Spec(check=check_two_d),
     "ddp": Spec(setup_ddp, check_ddp),
     "zero": Spec(setup_zero, check_zero),
     "accumulate": Spec(setup_accumulate, check_accumulate),

@@ -67,6 +67,15 @@ def test_gpt_on_data_and_model_axes(mode):
         gpt_loss, tx, mesh, mode=mode, stacked="blocks", clip_grad_norm=0.5
     )
     state = step.init(placed(mesh, params))
+    # The abstract state (for compile-only GPU meshes) reads the same shardings.
+    shapes = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+        placed(mesh, params),
+    )
+    abstract = step.abstract_state(shapes)
+    assert jax.tree.map(lambda x: x.sharding.spec, abstract) == jax.tree.map(
+        lambda x: x.sharding.spec, state
+    )
     batch0 = (batches[0][0], batches[1][0])
     compiled = step.lower(state, batch0).compile()
     for i in range(2):

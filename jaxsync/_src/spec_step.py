@@ -126,11 +126,23 @@ def plan_layout(
     return SpecLayout(plans, data, compiler, stacked)
 
 
-def make_state(cfg: Any, params: PyTree, rest: PyTree) -> tuple[TrainState, TrainState, Any, SpecLayout]:
-    """``(state, full specs, optimizer, layout)`` for compiler-sharded ``params`` (traceable)."""
+def spec_layout(cfg: Any, params: PyTree) -> SpecLayout | None:
+    """The 2-D plan of ``params`` (arrays or ShapeDtypeStructs with shardings), or None
+    when no param is sharded over an axis other than the data axes."""
+    data = cfg.axis_name
+    compiler = compiler_axes(params, data)
+    if not compiler:
+        return None
+    n = mesh_axes_size(cfg.mesh, data, "jaxsync.train_step")
+    return plan_layout(params, data, compiler, n, cfg.stacked)
+
+
+def make_state(
+    cfg: Any, params: PyTree, rest: PyTree, layout: SpecLayout
+) -> tuple[TrainState, TrainState, Any, SpecLayout]:
+    """``(state, full specs, optimizer, layout)`` for compiler-sharded ``params``
+    (traceable: the shardings come from ``layout``)."""
     mesh, data = cfg.mesh, cfg.axis_name
-    n = mesh_axes_size(mesh, data, "jaxsync.train_step")
-    layout = plan_layout(params, data, compiler_axes(params, data), n, cfg.stacked)
     tx = cfg.tx
     if isinstance(tx, Mapping):  # labels with a mapping (zero/fsdp; ddp wrapped it already)
         from .step_checks import checked_labels
@@ -287,8 +299,9 @@ def spec_body(cfg: Any, plan: Any, state: TrainState, batch: Any) -> tuple[Train
         return finish(cfg, plan, state, grads, grads, stats, out, rest)
     inner_state = state._replace(params=state.opt_state.master, opt_state=state.opt_state.inner)
     new, mean = finish(cfg, plan, inner_state, grads, grads, stats, out, rest)
+    # Cast, then gather: a bf16 model's params travel in bf16, not as fp32 masters.
     params = layout.map(
-        lambda p, m, old: gather(m, p, data).astype(old.dtype), new.params, state.params
+        lambda p, m, old: gather(m.astype(old.dtype), p, data), new.params, state.params
     )
     return new._replace(params=params, opt_state=SpecZeroState(new.params, new.opt_state)), mean
 

@@ -42,7 +42,7 @@ from .nnx_bridge import is_graphdef, is_module, merge_split, split_model
 from .optimizer import distributed_optimizer
 from .optimizer_state import initial_metrics
 from .portable import signature
-from .spec_step import compiler_axes, make_state, project, spec_master, spec_params
+from .spec_step import make_state, project, spec_layout, spec_master, spec_params
 from .step_body import Plan, per_device
 from .step_checks import (
     batch_rows,
@@ -104,11 +104,12 @@ class TrainStep:
         # Copies: the step donates the state, which must never delete the caller's
         # arrays (or the module's, for an nnx.Module). Params the compiler shards
         # over other axes keep their sharding (copied by spec_step.make_state).
-        if compiler_axes(params, self.axis_name):
+        layout = spec_layout(self, params)
+        if layout is not None:
             rest = _replicated_copy(rest, self.mesh)
         else:
             params, rest = _replicated_copy((params, rest), self.mesh)
-        state, plan = self._make(model, params, rest)
+        state, plan = self._make(model, params, rest, layout)
         state = _distinct(state)
         self._register(state, plan)
         return state
@@ -124,9 +125,10 @@ class TrainStep:
         """
         model, params, rest = self._split(params, nnx_states, "TrainStep.abstract_state")
         built: dict[str, Plan] = {}
+        layout = spec_layout(self, params)  # from the shardings, before tracing drops them
 
         def make(params: PyTree, rest: PyTree) -> TrainState:
-            state, built["plan"] = self._make(model, params, rest)
+            state, built["plan"] = self._make(model, params, rest, layout)
             return state
 
         shapes = jax.eval_shape(make, params, rest)
@@ -159,10 +161,13 @@ class TrainStep:
         check_deterministic_state(self.deterministic, rest, self.mode, fn)
         return model, params, rest
 
-    def _make(self, model: Any, params: PyTree, rest: PyTree) -> tuple[TrainState, Plan]:
-        """The state and its plan from replicated ``params`` (traceable: no host reads)."""
-        if compiler_axes(params, self.axis_name):
-            state, specs, tx, dims = make_state(self, params, rest)
+    def _make(
+        self, model: Any, params: PyTree, rest: PyTree, layout: Any = None
+    ) -> tuple[TrainState, Plan]:
+        """The state and its plan from replicated ``params`` (traceable: no host reads);
+        with ``layout`` (params sharded over other axes) the 2-D state of :mod:`spec_step`."""
+        if layout is not None:
+            state, specs, tx, dims = make_state(self, params, rest, layout)
             return state, Plan(model, _template(params), tx, None, specs, None, dims)  # type: ignore[arg-type]
         mesh, axes, rep = self.mesh, self.axis_name, NamedSharding(self.mesh, P())
         n_leaves = len(jax.tree.leaves(params))
