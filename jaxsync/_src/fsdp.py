@@ -22,26 +22,27 @@ import jax
 import jax.numpy as jnp
 import optax
 from jax.ad_checkpoint import checkpoint_name
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from .axes import AxisName, bound_axes, mesh_axes_size, normalize_axes
 from .checks import check_bool
 from .fsdp_gather import MixedPrecision, cast_floats, gather_shard, reduce_shard
+from .fsdp_global import shard as _shard
+from .fsdp_global import unshard as _unshard
 from .fsdp_grad import check_microbatches as check_microbatches
 from .fsdp_grad import value_and_grad as _value_and_grad
 from .fsdp_optimizer import Labels, ShardMultiTransform, resolve_labels
 from .fsdp_optimizer import init_optimizer as _init_optimizer
 from .fsdp_optimizer import multi_transform as _multi_transform
 from .fsdp_optimizer import state_specs as _state_specs
-from .fsdp_unit import UnitFlat, assign_units, unit_flat
+from .fsdp_unit import UnitFlat, assign_units, check_units, unit_flat
 from .fsdp_view import ShardedLayers as ShardedLayers
 from .fsdp_view import group_trees
 from .fsdp_view import view as _view
 from .layout import BufferKey, Layout
 from .names import param_name
 from .placement import normalize_stacked, stack_layers
-from .portable import convert
 
 PyTree = Any
 
@@ -143,7 +144,8 @@ class FullyShard:
                 "dict {unit: shard} from `fs.shard` (inside shard_map: the step's argument)."
             )
 
-    def _unit_params(self, params: PyTree, unit: str) -> dict[str, Any]:
+    def unit_params(self, params: PyTree, unit: str) -> dict[str, Any]:
+        """The unit's params of a tree shaped like the params: ``{param name: leaf}``."""
         leaves = jax.tree.leaves(params)
         return {self.param_names[i]: leaves[i] for i in self._members[unit]}
 
@@ -167,32 +169,7 @@ class FullyShard:
 
         ``mesh`` defaults to the one given to :func:`fully_shard`.
         """
-        mesh = self._mesh(mesh, "FullyShard.shard")
-        n = mesh_axes_size(mesh, self.axes, "FullyShard.shard")
-        if n != self.num_shards:
-            raise ValueError(
-                f"this FullyShard was built for {self.num_shards} shards; "
-                f"axis {self.axes} of the mesh has {n}."
-            )
-        # Units pick their params by leaf position: another tree with as many
-        # leaves of the same shapes would be sharded under the wrong names.
-        treedef = jax.tree.structure(params)
-        if treedef != self.treedef:
-            raise ValueError(
-                "FullyShard.shard: `params` does not have the structure this FullyShard "
-                f"was built for.\n  expected: {self.treedef}\n  received: {treedef}\n"
-                "Pass the params given to `jaxsync.fully_shard`."
-            )
-
-        def build(params: PyTree) -> dict[str, jax.Array]:
-            # A global shard array is rank-major: [(layers,) n * shard].
-            return {
-                u: self._flat[u].flatten(self._unit_params(params, u), jnp.float32)
-                for u in self.units
-            }
-
-        shardings = {u: NamedSharding(mesh, s) for u, s in self.specs().items()}
-        return convert(build, (params,), mesh, shardings, key=("fsdp.shard", self, mesh))
+        return _shard(self, params, self._mesh(mesh, "FullyShard.shard"))
 
     def init_optimizer(
         self,
@@ -256,21 +233,7 @@ class FullyShard:
 
         ``mesh`` defaults to the one given to :func:`fully_shard`.
         """
-        mesh = self._mesh(mesh, "FullyShard.unshard")
-        leaves: list[Any] = [None] * len(self.param_names)
-
-        def build(shards: dict[str, jax.Array]) -> PyTree:
-            for u in self.units:
-                tree = self._flat[u].unflatten(shards[u], jnp.float32)
-                for i in self._members[u]:
-                    leaves[i] = tree[self.param_names[i]]
-            return jax.tree.unflatten(self.treedef, leaves)
-
-        out = jax.tree.map(
-            lambda _: NamedSharding(mesh, P()),
-            jax.tree.unflatten(self.treedef, list(self.param_names)),
-        )
-        return convert(build, (shards,), mesh, out, key=("fsdp.unshard", self, mesh))
+        return _unshard(self, shards, self._mesh(mesh, "FullyShard.unshard"))
 
     # ---------------------------------------------------------------- gather
     def gather(self, shards: dict[str, jax.Array], unit: str) -> dict[str, jax.Array]:
@@ -446,18 +409,7 @@ def fully_shard(
     if replicate_axis is not None:
         mesh_axes_size(mesh, replicate_axis, "jaxsync.fully_shard")
     stacked = normalize_stacked(stacked)
-    if isinstance(units, str):
-        raise TypeError(f"`units` must be a list of name prefixes, got the string {units!r}.")
-    if not units and not stacked:
-        raise ValueError("`units` is empty; name at least one unit (a param-name prefix).")
-    bad = [u for u in units if not isinstance(u, str)]
-    dup = sorted({u for u in units if list(units).count(u) > 1})
-    if bad or dup:
-        raise ValueError(
-            f"`units` must be distinct param-name prefixes (strings); got non-strings {bad}"
-            if bad
-            else f"`units` must be distinct param-name prefixes; {dup} appear more than once."
-        )
+    check_units(units, stacked)
     if policy is not None and not isinstance(policy, MixedPrecision):
         raise TypeError(f"`policy` must be a jaxsync.MixedPrecision or None, got {policy!r}.")
     check_bool(reshard_after_forward, "reshard_after_forward")

@@ -1,5 +1,5 @@
-"""The optimizer over FSDP shards: init, state specs, one optimizer per label, and
-the state's form for checkpoints (per-param arrays, independent of the DP size).
+"""The optimizer over FSDP shards: init, the elementwise probe, state specs, and
+one optimizer per label (its checkpoint form: :mod:`fsdp_global`).
 
 Any elementwise optax optimizer runs on the ``{unit: shard}`` dict as it is. With
 labels (``jaxsync.fully_shard(labels=...)``: weight decay on matrices only, a
@@ -17,13 +17,12 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from .elementwise import check_elementwise
 from .names import param_name
 from .ownership import WholeMatrices
-from .portable import convert
 
 if TYPE_CHECKING:
     from .fsdp import FullyShard
@@ -201,108 +200,3 @@ def state_specs(fs: FullyShard, tx: Any) -> Any:
         spec_of[local[u].shape] = specs[u]
     abstract = jax.eval_shape(tx.init, local)
     return jax.tree.map(lambda x: spec_of.get(tuple(x.shape), P()), abstract)
-
-
-# ------------------------------------------------------------- checkpoints
-def _unit_dicts(fs: FullyShard, label: str | None) -> Callable[[Any], bool]:
-    """Recognises the state's ``{unit: shard}`` dicts (a label's: ``{unit: piece}``)."""
-    units = set(fs.units) if label is None else {u for u, lab, _, _ in fs.pieces() if lab == label}
-    return lambda x: isinstance(x, dict) and len(units) > 0 and set(x) == units
-
-
-def _label_names(fs: FullyShard, label: str) -> tuple[str, ...]:
-    return tuple(n for n, lab in zip(fs.param_names, fs.labels, strict=True) if lab == label)
-
-
-def _per_label(fs: FullyShard, opt: Any, convert_one: Callable[[Any, str | None], Any]) -> Any:
-    """``convert_one(state, label)`` of each label's state (the whole state: None)."""
-    if isinstance(opt, LabelsState):
-        return LabelsState({lab: convert_one(s, lab) for lab, s in opt.inner_states.items()})
-    return convert_one(opt, None)
-
-
-def to_portable(fs: FullyShard, opt: Any, mesh: Mesh) -> Any:
-    """Every ``{unit: shard}`` of ``opt`` as the params' tree, every label's
-    ``{unit: piece}`` as ``{param name: array}`` (fp32, replicated, no padding)."""
-
-    def one(state: Any, label: str | None) -> Any:
-        is_u = _unit_dicts(fs, label)
-        conv = (lambda d: fs.unshard(d, mesh)) if label is None else (
-            lambda d: _unshard_label(fs, d, label, mesh))  # fmt: skip
-        return jax.tree.map(lambda d: conv(d) if is_u(d) else d, state, is_leaf=is_u)
-
-    return _per_label(fs, opt, one)
-
-
-def portable_like(fs: FullyShard, opt: Any, template: PyTree, mesh: Mesh) -> Any:
-    """The abstract form of :func:`to_portable`'s result for an (abstract) ``opt``."""
-    rep = NamedSharding(mesh, P())
-    sds = lambda t: jax.ShapeDtypeStruct(t.shape, jnp.float32, sharding=rep)  # noqa: E731
-    full = jax.tree.map(sds, template)
-    shape_of = dict(zip(fs.param_names, fs.param_shapes, strict=True))
-
-    def one(state: Any, label: str | None) -> Any:
-        is_u = _unit_dicts(fs, label)
-        like = full if label is None else {
-            n: sds(jax.ShapeDtypeStruct(shape_of[n], jnp.float32)) for n in _label_names(fs, label)
-        }  # fmt: skip
-        return jax.tree.map(lambda d: like if is_u(d) else d, state, is_leaf=is_u)
-
-    return _per_label(fs, opt, one)
-
-
-def from_portable(fs: FullyShard, opt: Any, template: PyTree, mesh: Mesh) -> Any:
-    """Inverse of :func:`to_portable` onto ``fs``'s layout (any DP size)."""
-    params_struct = jax.tree.structure(template)
-
-    def one(state: Any, label: str | None) -> Any:
-        if label is None:
-            hit = lambda x: isinstance(x, dict) and jax.tree.structure(x) == params_struct  # noqa: E731
-            conv = lambda d: fs.shard(d, mesh)  # noqa: E731
-        else:
-            names = set(_label_names(fs, label))
-            hit = lambda x: isinstance(x, dict) and set(x) == names  # noqa: E731
-            conv = lambda d: _shard_label(fs, d, label, mesh)  # noqa: E731
-        return jax.tree.map(lambda d: conv(d) if hit(d) else d, state, is_leaf=hit)
-
-    return _per_label(fs, opt, one)
-
-
-def _label_buffers(fs: FullyShard, label: str) -> list[tuple[str, int]]:
-    """``(unit, buffer index)`` of ``label``'s buffer in each unit that has one."""
-    return [
-        (u, bi)
-        for u in fs.units
-        for bi, buf in enumerate(fs.layout(u).buffers)
-        if buf.key.label == label
-    ]
-
-
-def _unshard_label(fs: FullyShard, pieces: dict[str, jax.Array], label: str, mesh: Mesh) -> Any:
-    # A label's global piece array is rank-major over one buffer: that buffer's flat array.
-    def build(pieces: dict[str, jax.Array]) -> dict[str, jax.Array]:
-        out = {}
-        for u, bi in _label_buffers(fs, label):
-            flat = fs.unit_flat(u)
-            by_slot = flat.layout.unpack_leaves([[pieces[u]]], [bi], jnp.float32)
-            out.update({flat.names[si]: x for si, x in by_slot.items()})
-        return out
-
-    rep = NamedSharding(mesh, P())
-    shardings = dict.fromkeys(_label_names(fs, label), rep)
-    return convert(build, (pieces,), mesh, shardings, key=("fsdp.unshard_label", fs, label, mesh))
-
-
-def _shard_label(fs: FullyShard, arrays: dict[str, Any], label: str, mesh: Mesh) -> Any:
-    def build(arrays: dict[str, Any]) -> dict[str, jax.Array]:
-        out = {}
-        for u, bi in _label_buffers(fs, label):
-            flat = fs.unit_flat(u)
-            leaves = [arrays.get(n) for n in flat.names]
-            (buckets,) = flat.layout.pack_leaves(leaves, [bi], jnp.float32)
-            out[u] = buckets[0]
-        return out
-
-    specs = fs.specs()
-    shardings = {u: NamedSharding(mesh, specs[u]) for u, _ in _label_buffers(fs, label)}
-    return convert(build, (arrays,), mesh, shardings, key=("fsdp.shard_label", fs, label, mesh))

@@ -1,4 +1,4 @@
-"""One FSDP unit's flat buffer, split by optimizer label.
+"""FSDP units: which params each one holds, and its flat buffer split by optimizer label.
 
 A unit's params of each label lie in a buffer of their own, padded to split
 evenly over the ranks; a rank's shard of the unit is its piece of every buffer,
@@ -96,6 +96,22 @@ class UnitFlat:
         nb = len(flats)
         by_slot = self.layout.unpack_leaves([[f] for f in flats], range(nb), dtype, rows=True)
         return jax.tree.unflatten(self.layout.treedef, [by_slot[i] for i in range(len(by_slot))])
+
+
+def check_units(units: Any, stacked: Sequence[str]) -> None:
+    """``units``: distinct dotted name prefixes (strings), at least one with ``stacked``."""
+    if isinstance(units, str):
+        raise TypeError(f"`units` must be a list of name prefixes, got the string {units!r}.")
+    if not units and not stacked:
+        raise ValueError("`units` is empty; name at least one unit (a param-name prefix).")
+    bad = [u for u in units if not isinstance(u, str)]
+    dup = sorted({u for u in units if list(units).count(u) > 1})
+    if bad or dup:
+        raise ValueError(
+            f"`units` must be distinct param-name prefixes (strings); got non-strings {bad}"
+            if bad
+            else f"`units` must be distinct param-name prefixes; {dup} appear more than once."
+        )
 
 
 def assign_units(

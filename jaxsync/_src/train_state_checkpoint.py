@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from . import fsdp_optimizer
+from . import fsdp_global
 from .checksum import tree_checksums
 from .describe import describe_optimizer, optimizer_differences
 from .train_state import TrainState
@@ -86,7 +86,7 @@ def to_portable(ts: Any, state: TrainState, fn: str) -> dict[str, Any]:
         opt = plan.tx.to_portable(opt, params, ts.mesh)
     elif ts.mode == "fsdp":
         params = plan.fs.unshard(params, ts.mesh)
-        opt = fsdp_optimizer.to_portable(plan.fs, opt, ts.mesh)
+        opt = fsdp_global.to_portable(plan.fs, opt, ts.mesh)
     return {
         "step": state.step,
         "params": params,
@@ -108,7 +108,7 @@ def portable_like(ts: Any, like: TrainState, fn: str) -> dict[str, Any]:
         rep = NamedSharding(ts.mesh, P())
         params = jax.tree.map(lambda t: jax.ShapeDtypeStruct(t.shape, jnp.float32, sharding=rep),
                               plan.template)  # fmt: skip
-        opt = fsdp_optimizer.portable_like(plan.fs, opt, plan.template, ts.mesh)
+        opt = fsdp_global.portable_like(plan.fs, opt, plan.template, ts.mesh)
     model_state = jax.tree.map(
         lambda x: sds(jax.eval_shape(jax.random.key_data, x), x.sharding)
         if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else sds(x),
@@ -131,7 +131,7 @@ def from_portable(ts: Any, portable: dict[str, Any], like: TrainState, fn: str) 
         opt = plan.tx.from_portable(opt, params, ts.mesh)
     elif ts.mode == "fsdp":
         params = plan.fs.shard(params, ts.mesh)
-        opt = fsdp_optimizer.from_portable(plan.fs, opt, plan.template, ts.mesh)
+        opt = fsdp_global.from_portable(plan.fs, opt, plan.template, ts.mesh)
     guard = None if like.guard is None else type(like.guard)(*portable["guard"])
     if guard is not None:
         guard = jax.tree.unflatten(jax.tree.structure(like.guard), jax.tree.leaves(guard))
