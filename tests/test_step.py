@@ -361,8 +361,6 @@ def test_labels_are_checked(mesh8):
     tx = {"decay": optax.adamw(1e-2), "no_decay": optax.adam(1e-2)}
     with pytest.raises(ValueError, match="pass `labels`"):
         jaxsync.train_step(loss_fn, tx, mesh8)
-    with pytest.raises(ValueError, match="`labels` are for mode='ddp' or 'zero'"):
-        jaxsync.train_step(loss_fn, tx, mesh8, mode="fsdp", labels=decay_matrices)
     with pytest.raises(TypeError, match="'no_decay': str"):
         jaxsync.train_step(loss_fn, {"decay": tx["decay"], "no_decay": "adam"}, mesh8,
                            labels=decay_matrices)  # fmt: skip

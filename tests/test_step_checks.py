@@ -234,11 +234,12 @@ def test_step_fingerprints_tell_configs_apart(mesh):
 
 
 def test_the_probe_message_fits_train_step_users(mesh):
-    """The FSDP probe used to send train_step users to `labels` (refused in FSDP) and to
-    `check_elementwise=False` (which train_step does not take)."""
+    """The FSDP probe used to send train_step users to `labels` (then refused in FSDP) and
+    to `check_elementwise=False` (which train_step does not take)."""
     masked = optax.adamw(1e-3, mask=lambda p: jax.tree.map(lambda x: x.ndim > 1, p))
     step = jaxsync.train_step(mse, masked, mesh, mode="fsdp")
     with pytest.raises(ValueError, match="not elementwise") as e:
         step.init(PARAMS)
-    assert "FSDP takes no labels yet" in str(e.value)
+    assert "pass `labels=` with one optimizer per label" in str(e.value)
+    assert "works in every mode" in str(e.value)
     assert "`train_step` always probes" in str(e.value)

@@ -9,6 +9,8 @@ the gather), so ``jax.grad`` with respect to the shards returns sharded,
 reduced gradients and any elementwise optax optimizer updates the shards in
 place. A unit is also the communication bucket: one all-gather and one
 reduce-scatter per unit per step (two all-gathers with ``reshard_after_forward``).
+With ``labels`` each unit's shard holds one piece per label (:mod:`fsdp_unit`),
+and :meth:`FullyShard.multi_transform` runs one optimizer per label on them.
 """
 
 from __future__ import annotations
@@ -20,17 +22,27 @@ import jax
 import jax.numpy as jnp
 import optax
 from jax.ad_checkpoint import checkpoint_name
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from .axes import AxisName, bound_axes, mesh_axes_size, normalize_axes, to_varying
+from .axes import AxisName, bound_axes, mesh_axes_size, normalize_axes
 from .checks import check_bool
-from .elementwise import check_elementwise as elementwise
 from .fsdp_gather import MixedPrecision, cast_floats, gather_shard, reduce_shard
+from .fsdp_global import shard as _shard
+from .fsdp_global import unshard as _unshard
+from .fsdp_grad import check_microbatches as check_microbatches
+from .fsdp_grad import value_and_grad as _value_and_grad
+from .fsdp_optimizer import Labels, ShardMultiTransform, resolve_labels
+from .fsdp_optimizer import init_optimizer as _init_optimizer
+from .fsdp_optimizer import multi_transform as _multi_transform
+from .fsdp_optimizer import state_specs as _state_specs
+from .fsdp_unit import UnitFlat, assign_units, check_units, unit_flat
+from .fsdp_view import ShardedLayers as ShardedLayers
+from .fsdp_view import group_trees
+from .fsdp_view import view as _view
 from .layout import BufferKey, Layout
-from .names import group_of, param_name
-from .placement import build_layout, normalize_stacked, stack_layers
-from .portable import convert
+from .names import param_name
+from .placement import normalize_stacked, stack_layers
 
 PyTree = Any
 
@@ -60,6 +72,7 @@ class FullyShard:
         remat_policy: Callable[..., Any] = jax.checkpoint_policies.dots_saveable,
         stacked: tuple[str, ...] = (),
         mesh: Mesh | None = None,
+        labels: Labels = None,
     ):
         self.axes = normalize_axes(axis_name)
         self.mesh = mesh
@@ -78,49 +91,49 @@ class FullyShard:
         names = [param_name(p) for p, _ in leaves]
         self.units = tuple(units) + tuple(g for g in stacked if g not in units)
         layers = stack_layers(params, stacked) if stacked else {}
-        unit_of = []
-        for name in names:
-            group = group_of(name, stacked)
-            if group is not None:
-                unit_of.append(group)  # a scanned stack is one unit, never split
-                continue
-            hits = [u for u in self.units if name == u or name.startswith(u + ".")]
-            if not hits:
-                raise ValueError(
-                    f"param {name} belongs to no unit; `units` are {list(self.units)}. Add a "
-                    "unit that is a prefix of its dotted name (or the name itself)."
-                )
-            unit_of.append(max(hits, key=len))
-        empty = [u for u in self.units if u not in unit_of]
-        if empty:
-            raise ValueError(f"units {empty} hold no params; param names look like {names[:6]}.")
-        self._treedef = jax.tree.structure(params)
-        self._unit_of = tuple(unit_of)
-        self._members = {u: tuple(i for i, x in enumerate(unit_of) if x == u) for u in self.units}
-        self._sub = {}
-        for u, idx in self._members.items():
-            sub = {names[i]: jax.ShapeDtypeStruct(leaves[i][1].shape, jnp.float32) for i in idx}
-            self._sub[u] = build_layout(
-                sub,
-                num_shards=num_shards,
-                key_fn=lambda _p, _x: BufferKey(jnp.dtype(policy.param_dtype).name, self.axes),
-                stacked=(u,) if u in layers else None,
+        self.treedef = jax.tree.structure(params)
+        #: Each param's optimizer label (leaf order), or None without ``labels``.
+        self.labels = resolve_labels(params, labels, "jaxsync.fully_shard")
+        self._members = assign_units(names, self.units, stacked)
+        self._flat = {
+            u: unit_flat(
+                {names[i]: leaves[i][1].shape for i in idx},
+                None if self.labels is None else {names[i]: self.labels[i] for i in idx},
+                BufferKey(jnp.dtype(policy.param_dtype).name, self.axes),
+                num_shards,
+                stacked=u if u in layers else None,
             )
-        self._names = tuple(names)
-        self._shapes = tuple(tuple(int(d) for d in leaf.shape) for _, leaf in leaves)
+            for u, idx in self._members.items()
+        }
+        self.param_names = tuple(names)
+        self.param_shapes = tuple(tuple(int(d) for d in leaf.shape) for _, leaf in leaves)
         self.num_shards = num_shards
         self._layers = layers
-        self._template = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
-        self._groups = _group_trees(params, stacked)
+        self.template = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+        self._groups = group_trees(params, stacked)
 
     # --------------------------------------------------------------- layout
     def layout(self, unit: str) -> Layout:
-        """The unit's flat-buffer layout (one buffer, one bucket, padded for sharding)."""
+        """The unit's flat-buffer layout: one buffer per label (one without labels),
+        one bucket each, padded for sharding."""
         self._check_unit(unit, "FullyShard.layout")
-        return self._sub[unit]
+        return self._flat[unit].layout
+
+    def unit_flat(self, unit: str) -> UnitFlat:
+        """The unit's :class:`UnitFlat` (its layout and per-label pieces of a shard)."""
+        self._check_unit(unit, "FullyShard.unit_flat")
+        return self._flat[unit]
+
+    def members(self, unit: str) -> tuple[int, ...]:
+        """Leaf indices (in the params' leaf order) of the unit's params."""
+        return self._members[unit]
+
+    def pieces(self) -> tuple[tuple[str, str | None, int, int], ...]:
+        """``(unit, label, start, end)`` of every label's piece in a rank's unit shards."""
+        return tuple((u, *p) for u in self.units for p in self._flat[u].pieces())
 
     def _check_unit(self, unit: Any, fn: str, shards: Any = None) -> None:
-        if unit not in self._sub:
+        if unit not in self._flat:
             raise ValueError(
                 f"{fn}: unknown unit {unit!r}; this FullyShard has units {list(self.units)}."
             )
@@ -131,9 +144,10 @@ class FullyShard:
                 "dict {unit: shard} from `fs.shard` (inside shard_map: the step's argument)."
             )
 
-    def _unit_params(self, params: PyTree, unit: str) -> dict[str, Any]:
+    def unit_params(self, params: PyTree, unit: str) -> dict[str, Any]:
+        """The unit's params of a tree shaped like the params: ``{param name: leaf}``."""
         leaves = jax.tree.leaves(params)
-        return {self._names[i]: leaves[i] for i in self._members[unit]}
+        return {self.param_names[i]: leaves[i] for i in self._members[unit]}
 
     def specs(self) -> dict[str, P]:
         """PartitionSpecs of the shards (shard over ``axis_name``, replicated elsewhere).
@@ -155,34 +169,7 @@ class FullyShard:
 
         ``mesh`` defaults to the one given to :func:`fully_shard`.
         """
-        mesh = self._mesh(mesh, "FullyShard.shard")
-        n = mesh_axes_size(mesh, self.axes, "FullyShard.shard")
-        if n != self.num_shards:
-            raise ValueError(
-                f"this FullyShard was built for {self.num_shards} shards; "
-                f"axis {self.axes} of the mesh has {n}."
-            )
-        # Units pick their params by leaf position: another tree with as many
-        # leaves of the same shapes would be sharded under the wrong names.
-        treedef = jax.tree.structure(params)
-        if treedef != self._treedef:
-            raise ValueError(
-                "FullyShard.shard: `params` does not have the structure this FullyShard "
-                f"was built for.\n  expected: {self._treedef}\n  received: {treedef}\n"
-                "Pass the params given to `jaxsync.fully_shard`."
-            )
-
-        def build(params: PyTree) -> dict[str, jax.Array]:
-            out = {}
-            for u in self.units:
-                layout = self._sub[u]
-                (flat,) = layout.flatten(self._unit_params(params, u), jnp.float32)
-                ranks = jnp.stack([layout.shard_of(0, flat, r) for r in range(n)], axis=-2)
-                out[u] = ranks.reshape(*ranks.shape[:-2], -1)  # [(layers,) n * shard]
-            return out
-
-        shardings = {u: NamedSharding(mesh, s) for u, s in self.specs().items()}
-        return convert(build, (params,), mesh, shardings, key=("fsdp.shard", self, mesh))
+        return _shard(self, params, self._mesh(mesh, "FullyShard.shard"))
 
     def init_optimizer(
         self,
@@ -199,50 +186,21 @@ class FullyShard:
 
         Shard-shaped state leaves (moments) are sharded like the shards; scalars
         (Adam's count) are replicated. Any elementwise optax transformation works
-        on the shards; for clipping use :func:`jaxsync.clip_by_global_norm`.
+        on the shards; for clipping use :func:`jaxsync.clip_by_global_norm`; for
+        one optimizer per label pass :meth:`multi_transform`'s.
         ``check_elementwise`` probes ``tx`` once (on a tree shaped like the
-        params against the same numbers as flat unit shards) and rejects what
-        would train differently on shards (``optax.clip_by_global_norm``, lamb,
-        lars, adafactor, masks by path or shape).
+        params against the same numbers as flat unit shards; per label for
+        :meth:`multi_transform`) and rejects what would train differently on
+        shards (``optax.clip_by_global_norm``, lamb, lars, adafactor, masks by
+        path or shape).
         """
-        if not hasattr(tx, "init") or not hasattr(tx, "update"):
-            raise TypeError(f"`tx` must be an optax GradientTransformation, got {tx!r}.")
-        if check_bool(check_elementwise, "check_elementwise"):
-            probe = jax.tree.unflatten(
-                self._treedef, [jax.ShapeDtypeStruct(s, jnp.float32) for s in self._shapes]
-            )
-            members = tuple((u, self._members[u]) for u in self.units)
-            elementwise(
-                tx,
-                probe,
-                "FullyShard.init_optimizer",
-                units=members,
-                axes=self.axes + self.replicate_axes,
-            )
-        missing = sorted(set(self.units) - set(shards)) if isinstance(shards, dict) else None
-        if missing is None or missing:
-            raise ValueError(
-                "`shards` must be the dict {unit: shard} from `fs.shard(params, mesh)`"
-                + (f"; it lacks units {missing}." if missing else f", got {type(shards).__name__}.")
-            )
-        mesh = self._mesh(mesh, "FullyShard.init_optimizer")
-        state_specs = self.state_specs(tx)
-        init = jax.shard_map(tx.init, mesh=mesh, in_specs=(self.specs(),), out_specs=state_specs)
-        return jax.jit(init)(shards), state_specs
+        check = check_bool(check_elementwise, "check_elementwise")
+        return _init_optimizer(self, tx, shards, mesh, check)
 
     def state_specs(self, tx: optax.GradientTransformation) -> Any:
         """PartitionSpecs of ``tx``'s state over the shards: moments sharded like the
         shards, scalars ``P()`` (the same name as the distributed optimizer's)."""
-        specs = self.specs()
-        local = {
-            u: jax.ShapeDtypeStruct(
-                (*self._sub[u].buffers[0].lead, self._sub[u].shard_size(0)), jnp.float32
-            )
-            for u in self.units
-        }
-        abstract = jax.eval_shape(tx.init, local)
-        spec_of = {local[u].shape: specs[u] for u in self.units}
-        return jax.tree.map(lambda x: spec_of.get(x.shape, P()), abstract)
+        return _state_specs(self, tx)
 
     def sharded_init(
         self, tx: optax.GradientTransformation, shards: dict[str, jax.Array], **kwargs: Any
@@ -251,28 +209,31 @@ class FullyShard:
         ``sharded_init``; :meth:`init_optimizer` without the specs)."""
         return self.init_optimizer(tx, shards, **kwargs)[0]
 
+    def multi_transform(
+        self, transforms: dict[str, optax.GradientTransformation]
+    ) -> ShardMultiTransform:
+        """``optax.multi_transform`` over the shards: one optimizer per label.
+
+        Each label's optimizer runs on its own pieces of the unit shards (the
+        ``labels`` given to :func:`jaxsync.fully_shard` decide them), so every
+        element's state exists once. Use the result as any optimizer over the
+        shards: :meth:`init_optimizer`, then ``opt.update(grads, state, shards)``.
+
+        Example:
+          >>> fs = jaxsync.fully_shard(params, axis_name="data", mesh=mesh, units=units,
+          ...     labels=lambda p: jax.tree.map(lambda x: "decay" if x.ndim > 1 else "no", p))
+          >>> opt = fs.multi_transform({"decay": optax.adamw(1e-3, weight_decay=0.1),
+          ...                           "no": optax.adamw(1e-3, weight_decay=0.0)})
+          >>> state, specs = fs.init_optimizer(opt, fs.shard(params))
+        """
+        return _multi_transform(self, transforms)
+
     def unshard(self, shards: dict[str, jax.Array], mesh: Mesh | None = None) -> PyTree:
         """Full params from global shards (outside shard_map), in fp32.
 
         ``mesh`` defaults to the one given to :func:`fully_shard`.
         """
-        mesh = self._mesh(mesh, "FullyShard.unshard")
-        leaves: list[Any] = [None] * len(self._names)
-
-        def build(shards: dict[str, jax.Array]) -> PyTree:
-            for u in self.units:
-                layout = self._sub[u]
-                x = shards[u].reshape(*layout.buffers[0].lead, self.num_shards, -1)
-                flat = layout.gather_shards(0, jnp.moveaxis(x, -2, 0))
-                tree = layout.unflatten((flat,), jnp.float32)
-                for i in self._members[u]:
-                    leaves[i] = tree[self._names[i]]
-            return jax.tree.unflatten(self._treedef, leaves)
-
-        out = jax.tree.map(
-            lambda _: NamedSharding(mesh, P()), jax.tree.unflatten(self._treedef, list(self._names))
-        )
-        return convert(build, (shards,), mesh, out, key=("fsdp.unshard", self, mesh))
+        return _unshard(self, shards, self._mesh(mesh, "FullyShard.unshard"))
 
     # ---------------------------------------------------------------- gather
     def gather(self, shards: dict[str, jax.Array], unit: str) -> dict[str, jax.Array]:
@@ -284,7 +245,7 @@ class FullyShard:
         """
         self._check_unit(unit, "FullyShard.gather", shards)
         flat = self._gather_flat(shards[unit], "FullyShard.gather")
-        return self._sub[unit].unflatten((flat,), self.policy.param_dtype)
+        return self._flat[unit].unflatten(flat, self.policy.param_dtype)
 
     def _gather_flat(self, shard: jax.Array, fn: str) -> jax.Array:
         """All-gather of a flat shard in param_dtype; its VJP reduce-scatters into it."""
@@ -301,13 +262,11 @@ class FullyShard:
         Returns the layer's params shaped like the stacked group's subtree; the
         backward reduce-scatters the layer's gradient inside the backward scan.
         """
-        layout = self._sub[unit]
         flat = self._gather_flat(shard, "FullyShard.gather_layer")
         # Named, so a remat policy can keep gathered layers (save_only_these_names)
         # when memory allows, instead of gathering them again in the backward.
         flat = checkpoint_name(flat, GATHERED)
-        by_slot = layout.unpack_leaves([[flat]], [0], self.policy.param_dtype, rows=True)
-        named = jax.tree.unflatten(layout.treedef, [by_slot[i] for i in range(len(by_slot))])
+        named = self._flat[unit].unflatten_row(flat, self.policy.param_dtype)
         treedef, names = self._groups[unit]
         return jax.tree.unflatten(treedef, [named[n] for n in names])
 
@@ -327,19 +286,7 @@ class FullyShard:
         for u in self.units:
             if u not in self._layers:
                 gathered.update(self.gather(shards, u))
-
-        def place(path: Any, x: Any) -> Any:
-            name = param_name(path)
-            return (
-                ShardedLayers(shards[name], self, name) if name in self._layers else gathered[name]
-            )
-
-        return jax.tree_util.tree_map_with_path(
-            place,
-            self._template,
-            is_leaf=lambda path, _: param_name(path) in self._layers,
-            is_leaf_takes_path=True,
-        )
+        return _view(self, shards, gathered, self._layers)
 
     def apply(self, shards: dict[str, Any], unit: str, fn: Callable[..., Any], *inputs: Any) -> Any:
         """Runs ``fn(unit_params, *inputs)`` with the unit gathered just before use.
@@ -377,8 +324,7 @@ class FullyShard:
         axes = bound_axes(self.axes, "FullyShard.reduce_gathered")
         out = {}
         for u in self.units:
-            layout = self._sub[u]
-            (flat,) = layout.flatten(grads[u], self.policy.reduce_dtype)
+            flat = self._flat[u].flatten(grads[u], self.policy.reduce_dtype)
             out[u] = reduce_shard(flat, axes, self.replicate_axes)
         return out
 
@@ -403,117 +349,10 @@ class FullyShard:
         ``False`` gathers all units once, accumulates full local gradients and
         reduce-scatters once (less communication, more memory).
         """
-        check_microbatches(microbatches, batch)
-        loss_fn = _checked_loss(loss_fn, has_aux, self.axes)
-        if microbatches == 1:
-            return jax.value_and_grad(loss_fn, has_aux=has_aux)(shards, batch)
-        mbs = jax.tree.map(lambda x: x.reshape(microbatches, -1, *x.shape[1:]), batch)
-        if sync_grad_accum:
-            target, grad_fn = shards, jax.value_and_grad(loss_fn, has_aux=has_aux)
-        else:
-            # Local gradients of the gathered params (varying: no implicit psum).
-            target = to_varying(self.gather_all(shards), self.axes + self.replicate_axes)
-            grad_fn = jax.value_and_grad(loss_fn, has_aux=has_aux)
-
-        def body(acc: Any, mb: Any) -> tuple[Any, Any]:
-            loss, g = grad_fn(target, mb)
-            return jax.tree.map(lambda a, x: a + x.astype(jnp.float32), acc, g), loss
-
-        loss0, g0 = grad_fn(target, jax.tree.map(lambda m: m[0], mbs))
-        acc = jax.tree.map(lambda x: x.astype(jnp.float32), g0)
-        acc, losses = jax.lax.scan(body, acc, jax.tree.map(lambda m: m[1:], mbs))
-        grads = jax.tree.map(lambda a: a / microbatches, acc)
-        if has_aux:
-            (loss0, _), (losses, aux) = loss0, losses
-        loss = (loss0 + jnp.sum(losses)) / microbatches
-        if not sync_grad_accum:
-            grads = self.reduce_gathered(grads)
-        if has_aux:
-            return (loss, jax.tree.map(lambda a: a[-1], aux)), grads
-        return loss, grads
-
-
-@jax.tree_util.register_pytree_node_class
-class ShardedLayers:
-    """A stacked FSDP unit's ``[layers, shard]`` shard as the model sees it.
-
-    ``lax.scan`` slices it like any pytree; :func:`jaxsync.tap` on the slice
-    gathers that one layer (see :meth:`FullyShard.view`).
-    """
-
-    def __init__(self, shard: Any, fs: FullyShard, unit: str):
-        self.shard, self.fs, self.unit = shard, fs, unit
-
-    def tree_flatten(self) -> tuple[tuple[Any], tuple[FullyShard, str]]:
-        return (self.shard,), (self.fs, self.unit)
-
-    @classmethod
-    def tree_unflatten(cls, aux: tuple[FullyShard, str], children: Any) -> ShardedLayers:
-        return cls(children[0], *aux)
-
-    def jaxsync_gather(self) -> PyTree:
-        return self.fs.gather_layer(self.shard, self.unit)
-
-    def __getitem__(self, key: Any) -> Any:
-        from .scan_sync import NOT_TAPPED
-
-        raise TypeError(NOT_TAPPED.format(group=self.unit))
-
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("__") or name in ("shard", "fs", "unit"):
-            raise AttributeError(name)
-        from .scan_sync import NOT_TAPPED
-
-        raise TypeError(NOT_TAPPED.format(group=self.unit))
-
-
-def _checked_loss(loss_fn: Callable[..., Any], has_aux: bool, axes: Any) -> Callable[..., Any]:
-    """``loss_fn`` with the checks every mode makes of its loss (not yet averaged)."""
-    from .step_checks import check_loss
-    from .tap_rules import check_no_gather_under_cond
-
-    def checked(*args: Any) -> Any:
-        # Traced into a jaxpr, checked, and run from it (no second trace of the loss).
-        closed, shape = jax.make_jaxpr(loss_fn, return_shape=True)(*args)
-        check_no_gather_under_cond(closed.jaxpr, tuple(axes))
-        flat = jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *jax.tree.leaves(args))
-        out = jax.tree.unflatten(jax.tree.structure(shape), flat)
-        check_loss(out[0] if has_aux else out, tuple(axes), "fsdp", "FullyShard.value_and_grad")
-        return out
-
-    return checked
-
-
-def check_microbatches(microbatches: Any, batch: Any) -> None:
-    """``microbatches``: a positive int dividing every batch leaf's leading axis."""
-    if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
-        raise ValueError(f"`microbatches` must be a positive int, got {microbatches!r}.")
-    for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]:
-        rows = x.shape[0] if getattr(x, "ndim", 0) else None
-        if microbatches > 1 and (rows is None or rows % microbatches):
-            raise ValueError(
-                f"`microbatches={microbatches}` must divide the leading (batch) axis of every "
-                f"batch leaf; leaf {jax.tree_util.keystr(path)} has shape "
-                f"{tuple(getattr(x, 'shape', ()))} on this device."
-            )
-
-
-def _group_trees(params: PyTree, stacked: Sequence[str]) -> dict[str, tuple[Any, list[str]]]:
-    """Per stacked group: the treedef of its subtree and its leaves' full names."""
-    out: dict[str, tuple[Any, list[str]]] = {}
-
-    def grab(path: Any, sub: Any) -> Any:
-        name = param_name(path)
-        if name in stacked:
-            rel = jax.tree_util.tree_flatten_with_path(sub)[0]
-            names = [f"{name}.{param_name(p)}" if p else name for p, _ in rel]
-            out[name] = (jax.tree.structure(sub), names)
-        return sub
-
-    jax.tree_util.tree_map_with_path(
-        grab, params, is_leaf=lambda path, _: param_name(path) in stacked, is_leaf_takes_path=True
-    )
-    return out
+        return _value_and_grad(
+            self, loss_fn, shards, batch, microbatches=microbatches,
+            sync_grad_accum=sync_grad_accum, has_aux=has_aux,
+        )  # fmt: skip
 
 
 def fully_shard(
@@ -527,6 +366,7 @@ def fully_shard(
     replicate_axis: AxisName | None = None,
     remat_policy: Callable[..., Any] = jax.checkpoint_policies.dots_saveable,
     stacked: str | Sequence[str] | None = None,
+    labels: Labels = None,
 ) -> FullyShard:
     """Splits ``params`` into fully sharded units (ZeRO-3 / FSDP2).
 
@@ -550,6 +390,11 @@ def fully_shard(
         ``[layers, shard]``; the model reads it through :meth:`FullyShard.view`
         and :func:`jaxsync.tap`, which gathers one layer in the forward loop body
         and reduce-scatters its gradient in the backward loop body.
+      labels: optimizer labels (a pytree of strings shaped like the params, or a
+        function of the params returning one), for one optimizer per label
+        (:meth:`FullyShard.multi_transform`: weight decay on matrices only). Each
+        unit's shard then holds one piece per label; still one all-gather and one
+        reduce-scatter per unit.
 
     Example:
       >>> fs = jaxsync.fully_shard(params, axis_name="data", mesh=mesh,
@@ -564,18 +409,7 @@ def fully_shard(
     if replicate_axis is not None:
         mesh_axes_size(mesh, replicate_axis, "jaxsync.fully_shard")
     stacked = normalize_stacked(stacked)
-    if isinstance(units, str):
-        raise TypeError(f"`units` must be a list of name prefixes, got the string {units!r}.")
-    if not units and not stacked:
-        raise ValueError("`units` is empty; name at least one unit (a param-name prefix).")
-    bad = [u for u in units if not isinstance(u, str)]
-    dup = sorted({u for u in units if list(units).count(u) > 1})
-    if bad or dup:
-        raise ValueError(
-            f"`units` must be distinct param-name prefixes (strings); got non-strings {bad}"
-            if bad
-            else f"`units` must be distinct param-name prefixes; {dup} appear more than once."
-        )
+    check_units(units, stacked)
     if policy is not None and not isinstance(policy, MixedPrecision):
         raise TypeError(f"`policy` must be a jaxsync.MixedPrecision or None, got {policy!r}.")
     check_bool(reshard_after_forward, "reshard_after_forward")
@@ -590,4 +424,5 @@ def fully_shard(
         remat_policy=remat_policy,
         stacked=stacked,
         mesh=mesh,
+        labels=labels,
     )

@@ -192,10 +192,11 @@ class TrainStep:
             fs = fully_shard(
                 params, axis_name=axes, units=self.units or _default_units(params, self.stacked),
                 mesh=mesh, policy=self.policy, reshard_after_forward=self.reshard_after_forward,
-                stacked=self.stacked or None,
+                stacked=self.stacked or None, labels=self.labels,
             )  # fmt: skip
             held = fs.shard(params)
-            opt_state, opt_specs = fs.init_optimizer(self.tx, held, mesh)
+            tx = self.tx if self.labels is None else fs.multi_transform(self.tx)
+            opt_state, opt_specs = fs.init_optimizer(tx, held, mesh)
             param_specs, n_flags = fs.specs(), len(fs.units)
         guard = None
         if self.mode != "zero":
@@ -312,7 +313,8 @@ class TrainStep:
 
     def optimizer(self, state: TrainState) -> Any:
         """The optimizer the step runs (``"zero"``: the distributed optimizer around ``tx``;
-        FSDP: ``tx``), e.g. for ``Checkpointer.save(tx=...)``."""
+        FSDP: ``tx``, or with ``labels`` ``FullyShard.multi_transform(tx)``), e.g. for
+        ``Checkpointer.save(tx=...)``."""
         return self._plan(state, "TrainStep.optimizer").tx
 
     def fully_shard(self, state: TrainState) -> Any:

@@ -20,7 +20,8 @@ import jax.numpy as jnp
 from .axes import varying_axes
 from .dims import DimStack
 from .exact_sync import nonfinite_flags
-from .fsdp import ShardedLayers, check_microbatches
+from .fsdp_grad import check_microbatches
+from .fsdp_view import ShardedLayers
 from .grad_sync import accumulate_grads, all_reduce_grads, value_and_grad
 from .nnx_bridge import ModelDef, trace_views
 from .scan_sync import DataParallel, LayerStack

@@ -88,8 +88,9 @@ def train_step(
         bitwise identical at every data-parallel size dividing its ``units``.
       labels: per-param labels (a pytree of strings shaped like the params, or a
         function of the params returning one) when ``tx`` is a mapping ``label ->
-        optax optimizer`` (``"ddp"``/``"zero"``): e.g. weight decay on matrices only,
-        without ``adamw(mask=...)``, which ZeRO cannot run on flat shards.
+        optax optimizer``, in every mode: e.g. weight decay on matrices only,
+        without ``adamw(mask=...)``, which ZeRO and FSDP cannot run on flat shards
+        (each label's params get flat buffers, FSDP: pieces of each unit, of their own).
 
     Returns:
       A :class:`TrainStep`.
@@ -146,7 +147,7 @@ def train_step(
             "use mode='ddp' or 'zero' without `stacked` and `rules`"
         )  # fmt: skip
         raise ValueError(f"`deterministic` does not support {what}; {fix}.")
-    zero_labels = labels if mode == "zero" else None
+    sharded_labels = labels if mode in ("zero", "fsdp") else None
     if labels is not None and mode == "ddp":  # a replicated optimizer: optax's own way
         tx = optax.multi_transform(dict(tx), checked_labels(labels, dict(tx)))
     return TrainStep(
@@ -167,7 +168,7 @@ def train_step(
         reshard_after_forward=reshard_after_forward,
         donate=donate,
         deterministic=det,
-        labels=zero_labels,
+        labels=sharded_labels,
     )
 
 
@@ -187,11 +188,6 @@ def _check_tx(tx: Any, labels: Any, mode: str) -> None:
         if not _is_tx(tx):
             raise TypeError(f"`tx` must be an optax GradientTransformation, got {tx!r}.")
         return
-    if mode == "fsdp":
-        raise ValueError(
-            "`labels` are for mode='ddp' or 'zero'; FSDP keeps one optimizer over its flat "
-            "shards. Drop `labels`, or use mode='zero'."
-        )
     bad = (
         [f"{k!r}: {type(v).__name__}" for k, v in tx.items() if not _is_tx(v)]
         if isinstance(tx, Mapping) else [type(tx).__name__]

@@ -10,7 +10,8 @@ number of data-parallel devices:
 - ``"zero"``: the distributed optimizer's portable form (per-param master and
   moments; the loss scale and metrics are in it);
 - ``"fsdp"``: the flat unit shards, and every optimizer-state dict of them,
-  gathered into per-param arrays (fp32, without padding).
+  gathered into per-param arrays (fp32, without padding); with labels, each
+  label's state of its pieces as ``{param name: array}`` of that label's params.
 
 ``Checkpointer.restore_state(train_step, state_like)`` rebuilds the state for
 the step's mesh, whatever its DP size, into the shardings of ``state_like``
@@ -27,6 +28,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from . import fsdp_global
 from .checksum import tree_checksums
 from .describe import describe_optimizer, optimizer_differences
 from .train_state import TrainState
@@ -61,11 +63,6 @@ class RestoredState(NamedTuple):
     meta: dict[str, Any]
 
 
-def _is_unit_dict(fs: Any) -> Any:
-    units = set(fs.units)
-    return lambda x: isinstance(x, dict) and set(x) == units and len(units) > 0
-
-
 def _keys_to_data(tree: PyTree) -> PyTree:
     """Typed PRNG keys (NNX RNG state) as their key data, which orbax can write."""
     is_key = lambda x: jax.dtypes.issubdtype(getattr(x, "dtype", None), jax.dtypes.prng_key)  # noqa: E731
@@ -88,13 +85,8 @@ def to_portable(ts: Any, state: TrainState, fn: str) -> dict[str, Any]:
     if ts.mode == "zero":
         opt = plan.tx.to_portable(opt, params, ts.mesh)
     elif ts.mode == "fsdp":
-        fs = plan.fs
-        params = fs.unshard(params, ts.mesh)
-        opt = jax.tree.map(
-            lambda d: fs.unshard(d, ts.mesh) if _is_unit_dict(fs)(d) else d,
-            opt,
-            is_leaf=_is_unit_dict(fs),
-        )
+        params = plan.fs.unshard(params, ts.mesh)
+        opt = fsdp_global.to_portable(plan.fs, opt, ts.mesh)
     return {
         "step": state.step,
         "params": params,
@@ -113,13 +105,10 @@ def portable_like(ts: Any, like: TrainState, fn: str) -> dict[str, Any]:
     if ts.mode == "zero":
         opt = plan.tx.portable_shapes(like.params, ts.mesh)
     elif ts.mode == "fsdp":
-        fs, rep = plan.fs, NamedSharding(ts.mesh, P())
-        full = jax.tree.map(lambda t: jax.ShapeDtypeStruct(t.shape, jnp.float32, sharding=rep),
-                            plan.template)  # fmt: skip
-        params = full
-        opt = jax.tree.map(
-            lambda d: full if _is_unit_dict(fs)(d) else d, opt, is_leaf=_is_unit_dict(fs)
-        )
+        rep = NamedSharding(ts.mesh, P())
+        params = jax.tree.map(lambda t: jax.ShapeDtypeStruct(t.shape, jnp.float32, sharding=rep),
+                              plan.template)  # fmt: skip
+        opt = fsdp_global.portable_like(plan.fs, opt, plan.template, ts.mesh)
     model_state = jax.tree.map(
         lambda x: sds(jax.eval_shape(jax.random.key_data, x), x.sharding)
         if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else sds(x),
@@ -141,14 +130,8 @@ def from_portable(ts: Any, portable: dict[str, Any], like: TrainState, fn: str) 
     if ts.mode == "zero":
         opt = plan.tx.from_portable(opt, params, ts.mesh)
     elif ts.mode == "fsdp":
-        fs = plan.fs
-        params = fs.shard(params, ts.mesh)
-        is_params = lambda x: jax.tree.structure(x) == jax.tree.structure(plan.template)  # noqa: E731
-        opt = jax.tree.map(
-            lambda d: fs.shard(d, ts.mesh) if is_params(d) else d,
-            opt,
-            is_leaf=lambda x: isinstance(x, dict) and is_params(x),
-        )
+        params = plan.fs.shard(params, ts.mesh)
+        opt = fsdp_global.from_portable(plan.fs, opt, plan.template, ts.mesh)
     guard = None if like.guard is None else type(like.guard)(*portable["guard"])
     if guard is not None:
         guard = jax.tree.unflatten(jax.tree.structure(like.guard), jax.tree.leaves(guard))

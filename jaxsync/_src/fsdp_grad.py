@@ -1,0 +1,92 @@
+"""Loss and reduced shard gradients of an FSDP step, with gradient accumulation.
+
+``jax.grad`` with respect to the shards does the work (the gather's VJP
+reduce-scatters); here the loss is checked as in every mode, and microbatches
+are accumulated either shard by shard (one reduce-scatter per microbatch) or on
+gathered units (one reduce-scatter per step, more memory).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import jax
+import jax.numpy as jnp
+
+from .axes import to_varying
+
+if TYPE_CHECKING:
+    from .fsdp import FullyShard
+
+
+def value_and_grad(
+    fs: FullyShard,
+    loss_fn: Callable[..., Any],
+    shards: dict[str, jax.Array],
+    batch: Any,
+    *,
+    microbatches: int,
+    sync_grad_accum: bool,
+    has_aux: bool,
+) -> tuple[Any, dict[str, jax.Array]]:
+    """:meth:`FullyShard.value_and_grad`."""
+    check_microbatches(microbatches, batch)
+    loss_fn = _checked_loss(loss_fn, has_aux, fs.axes)
+    if microbatches == 1:
+        return jax.value_and_grad(loss_fn, has_aux=has_aux)(shards, batch)
+    mbs = jax.tree.map(lambda x: x.reshape(microbatches, -1, *x.shape[1:]), batch)
+    if sync_grad_accum:
+        target, grad_fn = shards, jax.value_and_grad(loss_fn, has_aux=has_aux)
+    else:
+        # Local gradients of the gathered params (varying: no implicit psum).
+        target = to_varying(fs.gather_all(shards), fs.axes + fs.replicate_axes)
+        grad_fn = jax.value_and_grad(loss_fn, has_aux=has_aux)
+
+    def body(acc: Any, mb: Any) -> tuple[Any, Any]:
+        loss, g = grad_fn(target, mb)
+        return jax.tree.map(lambda a, x: a + x.astype(jnp.float32), acc, g), loss
+
+    loss0, g0 = grad_fn(target, jax.tree.map(lambda m: m[0], mbs))
+    acc = jax.tree.map(lambda x: x.astype(jnp.float32), g0)
+    acc, losses = jax.lax.scan(body, acc, jax.tree.map(lambda m: m[1:], mbs))
+    grads = jax.tree.map(lambda a: a / microbatches, acc)
+    if has_aux:
+        (loss0, _), (losses, aux) = loss0, losses
+    loss = (loss0 + jnp.sum(losses)) / microbatches
+    if not sync_grad_accum:
+        grads = fs.reduce_gathered(grads)
+    if has_aux:
+        return (loss, jax.tree.map(lambda a: a[-1], aux)), grads
+    return loss, grads
+
+
+def _checked_loss(loss_fn: Callable[..., Any], has_aux: bool, axes: Any) -> Callable[..., Any]:
+    """``loss_fn`` with the checks every mode makes of its loss (not yet averaged)."""
+    from .step_checks import check_loss
+    from .tap_rules import check_no_gather_under_cond
+
+    def checked(*args: Any) -> Any:
+        # Traced into a jaxpr, checked, and run from it (no second trace of the loss).
+        closed, shape = jax.make_jaxpr(loss_fn, return_shape=True)(*args)
+        check_no_gather_under_cond(closed.jaxpr, tuple(axes))
+        flat = jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *jax.tree.leaves(args))
+        out = jax.tree.unflatten(jax.tree.structure(shape), flat)
+        check_loss(out[0] if has_aux else out, tuple(axes), "fsdp", "FullyShard.value_and_grad")
+        return out
+
+    return checked
+
+
+def check_microbatches(microbatches: Any, batch: Any) -> None:
+    """``microbatches``: a positive int dividing every batch leaf's leading axis."""
+    if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
+        raise ValueError(f"`microbatches` must be a positive int, got {microbatches!r}.")
+    for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]:
+        rows = x.shape[0] if getattr(x, "ndim", 0) else None
+        if microbatches > 1 and (rows is None or rows % microbatches):
+            raise ValueError(
+                f"`microbatches={microbatches}` must divide the leading (batch) axis of every "
+                f"batch leaf; leaf {jax.tree_util.keystr(path)} has shape "
+                f"{tuple(getattr(x, 'shape', ()))} on this device."
+            )
