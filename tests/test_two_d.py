@@ -62,9 +62,14 @@ def test_gpt_on_data_and_model_axes(mode):
     mesh = mesh_2d()
     params = gpt_params(jax.random.key(0))
     batches = gpt_batches(jax.random.key(1), 2, 8)
-    tx = optax.adamw(1e-2, weight_decay=0.1)
+    tx, labels = optax.adamw(1e-2, weight_decay=0.1), None
+    if mode == "fsdp":  # parameter groups: weight decay on matrices only
+        tx = {"decay": tx, "flat": optax.adamw(1e-2, weight_decay=0.0)}
+        labels = jax.tree_util.tree_map_with_path(
+            lambda path, x: "decay" if x.ndim - ("blocks" in str(path)) == 2 else "flat", params
+        )
     step = jaxsync.train_step(
-        gpt_loss, tx, mesh, mode=mode, stacked="blocks", clip_grad_norm=0.5
+        gpt_loss, tx, mesh, mode=mode, stacked="blocks", clip_grad_norm=0.5, labels=labels
     )
     state = step.init(placed(mesh, params))
     # The abstract state (for compile-only GPU meshes) reads the same shardings.
@@ -83,8 +88,9 @@ def test_gpt_on_data_and_model_axes(mode):
         assert np.isfinite(loss)
 
     # Single-device optax, with optax's clipping: same params to float rounding.
+    ref = tx if labels is None else optax.multi_transform(tx, labels)
     want, _ = run_reference(
-        optax.chain(optax.clip_by_global_norm(0.5), tx), params, batches, loss_fn=gpt_loss
+        optax.chain(optax.clip_by_global_norm(0.5), ref), params, batches, loss_fn=gpt_loss
     )
     got = step.params(state)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6), got, want)
@@ -96,7 +102,13 @@ def test_gpt_on_data_and_model_axes(mode):
     held = local_shapes(state.params)
     assert held == (SHARD_SHAPES if mode == "fsdp" else TP_SHAPES)
     # The optimizer state: 1/4 over "data" on top of the TP split (DDP: the TP split).
-    mu = state.opt_state.inner[0].mu if mode == "zero" else state.opt_state[0].mu
+    inner = state.opt_state.inner if mode == "zero" else state.opt_state
+    mu = inner[0].mu if mode != "fsdp" else jax.tree.map(  # the decay group's moments
+        lambda d, f: d if not isinstance(d, optax.MaskedNode) else f,
+        inner.inner_states["decay"].inner_state[0].mu,
+        inner.inner_states["flat"].inner_state[0].mu,
+        is_leaf=lambda x: isinstance(x, optax.MaskedNode),
+    )
     assert local_shapes(mu) == (TP_SHAPES if mode == "ddp" else SHARD_SHAPES)
     if mode == "zero":
         assert local_shapes(state.opt_state.master) == SHARD_SHAPES

@@ -41,6 +41,7 @@ from .dims import (
     pad,
     plan_param,
     reduce,
+    full_spec,
     spec_axes,
     unpad,
 )
@@ -182,12 +183,29 @@ def make_state(
 
 
 def _state_specs(tx: Any, params: PyTree, specs: PyTree) -> PyTree:
-    """Specs of ``tx``'s state: param-shaped leaves as ``specs``, the rest replicated."""
-    shapes = jax.eval_shape(tx.init, params)
-    return optax.tree_map_params(
-        tx, lambda _, s: s, shapes, specs,
-        transform_non_params=lambda _: P(), is_leaf=lambda x: isinstance(x, P),
-    )  # fmt: skip
+    """Specs of ``tx``'s state: a leaf whose path ends in a param's path and has its
+    shape (Adam's ``mu["blocks"]["qkv"]``, a ``multi_transform`` group's too) is
+    sharded like that param; the rest (counts, scalars) is replicated.
+
+    (``optax.tree_map_params`` cannot see through a ``multi_transform`` with a
+    fixed labels tree: it inits on one placeholder.)
+    """
+    by_name = {}
+    for (path, x), spec in zip(
+        jax.tree_util.tree_flatten_with_path(params)[0],
+        jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, P)),
+        strict=True,
+    ):
+        by_name[param_name(path)] = (tuple(x.shape), spec)
+
+    def one(path: Any, x: Any) -> P:
+        name = param_name(path)
+        for k, (shape, spec) in by_name.items():
+            if (name == k or name.endswith("." + k)) and tuple(x.shape) == shape:
+                return spec
+        return P()
+
+    return jax.tree_util.tree_map_with_path(one, jax.eval_shape(tx.init, params))
 
 
 # ------------------------------------------------------------------ the step
