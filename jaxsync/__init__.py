@@ -46,6 +46,7 @@ from jaxsync._src.layout import PieceRange as PieceRange
 from jaxsync._src.loss_scale import DynamicLossScale as DynamicLossScale
 from jaxsync._src.loss_scale import LossScaleState as LossScaleState
 from jaxsync._src.names import param_name as param_name
+from jaxsync._src.nnx_bridge import merge_module as merge_module
 from jaxsync._src.nnx_bridge import scan_layers as scan_layers
 from jaxsync._src.offload import host_offload_supported as host_offload_supported
 from jaxsync._src.offload import offload as offload
@@ -146,6 +147,7 @@ __all__ = [
     "host_offload_supported",
     "initialize",
     "lowered_collective_counts",
+    "merge_module",
     "nonfinite_grads",
     "nonfinite_report",
     "offload",

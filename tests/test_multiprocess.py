@@ -73,11 +73,22 @@ def assert_params_close(a, b, **tol):
         np.testing.assert_allclose(a[k], b[k], err_msg=k, **tol)
 
 
-def test_two_processes_equal_one_process(tmp_path):
-    one = tmp_path / "one"
-    two = tmp_path / "two"
-    train(one, nproc=1, devices=4)
-    out = train(two, nproc=2, devices=2)
+STEPS = "24"  # with a checkpoint every 4: plenty of saves to land a kill in
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The run dir of a one-process run that never stopped (shared by the kill tests and
+    the two-process test)."""
+    full = tmp_path_factory.mktemp("full")
+    train(full, "--steps", STEPS)
+    return full
+
+
+def test_two_processes_equal_one_process(tmp_path, uninterrupted):
+    # the one-process run is the kill tests' uninterrupted one (same config and steps)
+    one, two = uninterrupted, tmp_path / "two"
+    out = train(two, "--steps", STEPS, nproc=2, devices=2)
     assert "[0] done" in out and "4 devices on 2 process(es)" in out
     a, b = load(one / "params.npz"), load(two / "params.npz")
     assert_params_close(a, b, rtol=1e-4, atol=1e-5)
@@ -99,17 +110,6 @@ def _kill_when(proc, ready, timeout=240):
         time.sleep(0.002)
     proc.kill()
     return False
-
-
-STEPS = "24"  # with a checkpoint every 4: plenty of saves to land a kill in
-
-
-@pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
-    """The final params of a run that never stopped (shared by both kill tests)."""
-    full = tmp_path_factory.mktemp("full")
-    train(full, "--steps", STEPS)
-    return load(full / "params.npz")
 
 
 def _killed_run(run_dir, when):
@@ -148,7 +148,8 @@ def test_sigkill_then_resume_equals_uninterrupted(tmp_path, when, uninterrupted)
     else:
         pytest.fail(f"3 runs: every SIGKILL landed after the save it aimed at ({when})")
     train(killed, "--steps", STEPS, "--resume")
-    assert_params_close(uninterrupted, load(killed / "params.npz"), rtol=0, atol=0)
+    want = load(uninterrupted / "params.npz")
+    assert_params_close(want, load(killed / "params.npz"), rtol=0, atol=0)
 
 
 def test_launcher_stops_everyone_when_one_fails(tmp_path):

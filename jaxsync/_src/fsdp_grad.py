@@ -32,7 +32,11 @@ def value_and_grad(
 ) -> tuple[Any, dict[str, jax.Array]]:
     """:meth:`FullyShard.value_and_grad`."""
     check_microbatches(microbatches, batch)
-    loss_fn = _checked_loss(loss_fn, has_aux, fs.axes)
+    from .scan_sync import call_with_views
+
+    # A views scope: an NNX loss merges fs.view(shards) with jaxsync.merge_module.
+    scoped = call_with_views(loss_fn, tuple(fs._layers), "FSDP's sharded layers")
+    loss_fn = _checked_loss(scoped, has_aux, fs.axes)
     if microbatches == 1:
         return jax.value_and_grad(loss_fn, has_aux=has_aux)(shards, batch)
     mbs = jax.tree.map(lambda x: x.reshape(microbatches, -1, *x.shape[1:]), batch)

@@ -16,29 +16,132 @@ so the model code is the same in and out of the step.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
 from flax import nnx
 
-from .scan_sync import tap
+from .scan_sync import _VIEWS, LayerStack, tap
 
 PyTree = Any
 
-# The stacked-layer views of the module being merged inside a step, by the id of
-# the submodule that holds the group. Set only while the user's loss function is
-# traced (a context, like a trace-time argument), never between steps.
-_VIEWS: contextvars.ContextVar[dict[int, Any] | None] = contextvars.ContextVar(
-    "jaxsync_views", default=None
+MERGE_FIX = (
+    "Pass `params` as `nnx.to_pure_dict` of the nnx.Param state from the same `nnx.split` "
+    "as `graphdef` (`graphdef, state = nnx.split(model, nnx.Param)`), with every nnx.Param "
+    "and nothing else; under `jaxsync.value_and_grad(..., sync=tx)` pass the params the "
+    "loss function receives, as they are."
+)
+SCAN_FIX = (
+    "The stacked group's params reach the layer loop as the params (or jaxsync's view of "
+    "them) given to the step: they must be the nnx.Param state of this stacked module, "
+    "as `nnx.to_pure_dict(nnx.state(model, nnx.Param))` gives it (merge the module with "
+    "`jaxsync.merge_module`, or train with `jaxsync.train_step`)."
+)
+NO_VIEWS_SCOPE = (
+    "jaxsync.merge_module: `params` holds jaxsync's view(s) of the stacked group(s) {groups}, "
+    "which only exist inside the loss function that `jaxsync.value_and_grad(..., sync=...)`, "
+    "`jaxsync.accumulate_grads(..., sync=...)` or `FullyShard.value_and_grad` differentiates: "
+    "merge there. To evaluate, merge the plain params (`fs.unshard(shards)`, "
+    "`step.params(state)`) instead."
+)
+
+
+STEP_FIX = (
+    "The step's state must come from this step's `init` / `abstract_state` (or a restore "
+    "of a checkpoint of the same model): `state.params` and `state.model_state` keep the "
+    "structure of the module `init` was given."
 )
 
 
 def _abstract(tree: PyTree) -> PyTree:
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
+
+
+def _is_view(x: Any) -> bool:
+    """jaxsync's stand-in for a stacked group (LayerStack, or FSDP's sharded layers)."""
+    return isinstance(x, LayerStack) or hasattr(x, "jaxsync_gather")
+
+
+def _dotted(path: tuple[Any, ...]) -> str:
+    return ".".join(str(k) for k in path)
+
+
+def _flat(tree: Mapping, prefix: tuple[Any, ...] = ()) -> dict[tuple[Any, ...], Any]:
+    """A nested dict's leaves by key path; views are leaves, empty dicts vanish (as in flax)."""
+    out: dict[tuple[Any, ...], Any] = {}
+    for k, v in tree.items():
+        if isinstance(v, Mapping):
+            out.update(_flat(v, (*prefix, k)))
+        else:
+            out[(*prefix, k)] = v
+    return out
+
+
+def _nest(flat: Mapping[tuple[Any, ...], Any]) -> dict[Any, Any]:
+    out: dict[Any, Any] = {}
+    for path, v in flat.items():
+        node = out
+        for k in path[:-1]:
+            node = node.setdefault(k, {})
+        node[path[-1]] = v
+    return out
+
+
+def _names(names: list[str], limit: int = 6) -> str:
+    more = f" and {len(names) - limit} more" if len(names) > limit else ""
+    return "[" + ", ".join(names[:limit]) + "]" + more
+
+
+def check_keys(want: list[str], pure: Any, fn: str, what: str, fix: str) -> None:
+    """``pure`` (a nested dict) has exactly the leaves ``want`` (dotted names), or a
+    ValueError naming the missing and unexpected ones, before flax merges it."""
+    if not isinstance(pure, Mapping):
+        raise TypeError(
+            f"{fn}: `{what}` must be a nested dict of arrays (`nnx.to_pure_dict` of a state), "
+            f"got {type(pure).__name__}. {fix}"
+        )
+    got = [_dotted(p) for p in _flat(pure)]
+    missing = sorted(set(want) - set(got))
+    extra = sorted(set(got) - set(want))
+    if missing or extra:
+        parts = []
+        if missing:
+            parts.append(f"missing {_names(missing)} (in the module, not in `{what}`)")
+        if extra:
+            parts.append(f"unexpected {_names(extra)} (in `{what}`, not in the module)")
+        raise ValueError(
+            f"{fn}: `{what}` does not match the module's state: {'; '.join(parts)}. {fix}"
+        )
+
+
+def _fill(template: Any, pure: Any, fn: str, what: str, fix: str) -> Any:
+    """A copy of the state ``template`` holding the values of ``pure``, keys checked."""
+    check_keys([_dotted(p) for p, _ in nnx.to_flat_state(template)], pure, fn, what, fix)
+    state = jax.tree.map(lambda v: v, template)
+    nnx.replace_by_pure_dict(state, pure)
+    return state
+
+
+def _register(model: Any, views: dict[str, Any], fn: str) -> None:
+    """Hands each view to the :func:`scan_layers` call on its submodule."""
+    if not views:
+        return
+    registry = _VIEWS.get()
+    if registry is None:
+        raise ValueError(NO_VIEWS_SCOPE.format(groups=sorted(views)))
+    for name, view in views.items():
+        try:
+            node = _submodule(model, name)
+        except (AttributeError, IndexError, KeyError, TypeError):
+            node = None
+        if not isinstance(node, nnx.Module):
+            raise ValueError(
+                f"{fn}: the stacked group {name!r} is not a submodule of the merged module; "
+                "`stacked=` must name the nnx.vmap-stacked module that `jaxsync.scan_layers` runs."
+            )
+        registry[id(node)] = view
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -62,27 +165,94 @@ class ModelDef:
         hands to the layer loop instead of the group's params; the merged module
         holds ``ShapeDtypeStruct`` placeholders or the view's plain arrays there.
         """
-        pst = jax.tree.map(lambda x: x, self.params)
-        nnx.replace_by_pure_dict(pst, params)
-        rst = jax.tree.map(lambda x: x, self.rest)
-        nnx.replace_by_pure_dict(rst, rest)
+        fn, fix = "jaxsync.train_step", STEP_FIX
+        pst = _fill(self.params, params, fn, "params", fix)
+        rst = _fill(self.rest, rest, fn, "model_state", fix)
         model = nnx.merge(self.graphdef, pst, rst)
-        if views:
-            registry = dict(_VIEWS.get() or {})
-            for name, view in views.items():
-                registry[id(_submodule(model, name))] = view
-            _VIEWS.set(registry)
+        _register(model, views or {}, fn)
         return model
 
 
-@contextlib.contextmanager
-def trace_views() -> Iterator[None]:
-    """Scopes the views registered by :meth:`ModelDef.merge` to one traced call."""
-    token = _VIEWS.set({})
-    try:
-        yield
-    finally:
-        _VIEWS.reset(token)
+def merge_module(graphdef: Any, *states: Any, params: PyTree) -> Any:
+    """``nnx.merge`` for the params jaxsync hands a loss function.
+
+    The explicit path's merge for a flax NNX model: inside a loss function
+    differentiated by :func:`jaxsync.value_and_grad` (``sync=`` with ``stacked=``),
+    :func:`jaxsync.accumulate_grads` or ``FullyShard.value_and_grad``, each stacked
+    group reaches the loss as jaxsync's view (a :class:`jaxsync.LayerStack`, or
+    FSDP's sharded layers), which flax's ``nnx.replace_by_pure_dict`` cannot take.
+    This puts the params in the module and hands each view to the
+    :func:`jaxsync.scan_layers` call that runs that group, so its layers are tapped.
+    Anywhere else it is ``replace_by_pure_dict`` then ``nnx.merge``, with the keys
+    checked first.
+
+    Args:
+      graphdef: from ``nnx.split``.
+      *states: the states from the same ``nnx.split`` (``nnx.State``; their values
+        are only a template where ``params`` gives new ones; others, such as
+        BatchNorm statistics, are kept).
+      params: every ``nnx.Param`` of the module as a pure dict
+        (``nnx.to_pure_dict``), or as the loss function received it.
+
+    Returns:
+      The module.
+
+    Example:
+      >>> graphdef, state = nnx.split(model, nnx.Param)
+      >>> def loss_fn(params, batch):
+      ...     model = jaxsync.merge_module(graphdef, state, params=params)
+      ...     return jnp.mean((model(batch[0]) - batch[1]) ** 2)
+    """
+    fn = "jaxsync.merge_module"
+    if (
+        not isinstance(graphdef, nnx.GraphDef)
+        or not states
+        or not all(isinstance(s, nnx.State) for s in states)
+    ):
+        got = ", ".join(type(x).__name__ for x in (graphdef, *states))
+        raise TypeError(
+            f"{fn} takes `graphdef, *states` as `nnx.split` returns them (an nnx.GraphDef "
+            f"and one or more nnx.State) and `params=`; got ({got})."
+        )
+    if not isinstance(params, Mapping):
+        raise TypeError(
+            f"{fn}: `params` must be a nested dict (`nnx.to_pure_dict` of the nnx.Param state, "
+            f"or the params the loss function received), got {type(params).__name__}."
+        )
+    flats = [dict(nnx.to_flat_state(s)) for s in states]
+    wanted = {_dotted(p): v for flat in flats for p, v in flat.items() if isinstance(v, nnx.Param)}
+    plain, views = {}, {}
+    for path, leaf in _flat(params).items():
+        name = _dotted(path)
+        if not _is_view(leaf):
+            plain[path] = leaf
+            continue
+        views[name] = leaf
+        if isinstance(leaf, LayerStack):
+            sub = _flat(leaf.params) if isinstance(leaf.params, Mapping) else {(): leaf.params}
+            plain.update({(*path, *p): x for p, x in sub.items()})
+        else:  # FSDP's shards: placeholders, read only through scan_layers' tap
+            under = {n: v for n, v in wanted.items() if n.startswith(name + ".")}
+            if not under:  # the group is not in the module: named as unexpected below
+                plain[path] = leaf
+            for n, v in under.items():
+                x = v.get_value() if hasattr(v, "get_value") else v.value
+                plain[(*path, *n[len(name) + 1 :].split("."))] = jax.ShapeDtypeStruct(
+                    x.shape, x.dtype
+                )
+    pure = _nest(plain)
+    check_keys(sorted(wanted), pure, fn, "params", MERGE_FIX)
+    filled = []
+    by_name = {_dotted(p): x for p, x in _flat(pure).items()}
+    for st, flat in zip(states, flats, strict=True):
+        mine = {p: by_name[_dotted(p)] for p, v in flat.items() if isinstance(v, nnx.Param)}
+        st = jax.tree.map(lambda v: v, st)
+        if mine:
+            nnx.replace_by_pure_dict(st, _nest(mine))
+        filled.append(st)
+    model = nnx.merge(graphdef, *filled)
+    _register(model, views, fn)
+    return model
 
 
 def _submodule(model: Any, name: str) -> Any:
@@ -155,6 +325,7 @@ def scan_layers(
             f"jaxsync.scan_layers: `layers` must be an nnx.Module whose params are stacked on a "
             f"leading layer axis (built under nnx.vmap), got {type(layers).__name__}."
         )
+    where = "jaxsync.scan_layers"
     graphdef, params, rest = nnx.split(layers, nnx.Param, ...)
     view = (_VIEWS.get() or {}).get(id(layers))
     xs = view if view is not None else nnx.to_pure_dict(params)
@@ -165,10 +336,8 @@ def scan_layers(
     def body(c: Any, x: tuple[Any, Any]) -> tuple[Any, Any]:
         layer_params, layer_rest = x
         layer_params = tap(layer_params)  # identity unless jaxsync syncs in the loop
-        pst = jax.tree.map(lambda v: v, ptemplate)
-        nnx.replace_by_pure_dict(pst, layer_params)
-        rst = jax.tree.map(lambda v: v, rtemplate)
-        nnx.replace_by_pure_dict(rst, layer_rest)
+        pst = _fill(ptemplate, layer_params, where, "params", SCAN_FIX)
+        rst = _fill(rtemplate, layer_rest, where, "layer state", SCAN_FIX)
         layer = nnx.merge(graphdef, pst, rst)
         c = fn(layer, c)
         # The layer's own state after the call (RNG counters...), written back below.
@@ -178,6 +347,5 @@ def scan_layers(
         body = jax.checkpoint(body)
     carry, new_rest = jax.lax.scan(body, carry, (xs, rest_xs))
     if jax.tree.leaves(new_rest):
-        nnx.replace_by_pure_dict(rest, new_rest)
-        nnx.update(layers, rest)
+        nnx.update(layers, _fill(rest, new_rest, where, "layer state", SCAN_FIX))
     return carry

@@ -17,9 +17,11 @@ distributed optimizer, sharded: ZeRO-2).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -49,6 +51,55 @@ NEVER_TAPPED = (
     "be lost. Call `p = jaxsync.tap(p)` on each layer's slice in the scanned body (flax "
     "NNX: run the stacked module with `jaxsync.scan_layers`), or drop them from `stacked=`."
 )
+
+
+HAND_MERGE = (
+    "jaxsync: the stacked-layer group(s) {groups} reach the loss function as jaxsync's views "
+    "({kind}), not as dicts of params, so a hand-written `nnx.replace_by_pure_dict` / "
+    "`nnx.merge` cannot take them. Merge the module with "
+    "`jaxsync.merge_module(graphdef, *states, params=params)`, which hands each view to "
+    "`jaxsync.scan_layers`, or train with `jaxsync.train_step`, which merges for you."
+)
+
+# The stacked-layer views of modules merged while a loss function is traced, by the
+# id of the submodule that holds the group (see jaxsync.merge_module). Set only for
+# the duration of one traced call (a context, like a trace-time argument), so no
+# view outlives its trace and no id is ever read for another object.
+_VIEWS: contextvars.ContextVar[dict[int, Any] | None] = contextvars.ContextVar(
+    "jaxsync_views", default=None
+)
+
+
+@contextlib.contextmanager
+def trace_views() -> Iterator[None]:
+    """Scopes the views that module merges register to one traced loss call."""
+    token = _VIEWS.set({})
+    try:
+        yield
+    finally:
+        _VIEWS.reset(token)
+
+
+def call_with_views(
+    fun: Callable[..., Any], groups: Sequence[str], kind: str
+) -> Callable[..., Any]:
+    """``fun`` run in a views scope; a flax pure-dict error gets a note on what to do.
+
+    A loss that merges an NNX module by hand from params holding views fails inside
+    flax (``key in pure_dict not available in state: ('blocks',)``); the note names
+    the groups and the jaxsync call that merges them.
+    """
+
+    def scoped(*args: Any) -> Any:
+        with trace_views():
+            try:
+                return fun(*args)
+            except ValueError as e:
+                if groups and "pure_dict" in str(e):
+                    e.add_note(HAND_MERGE.format(groups=sorted(groups), kind=kind))
+                raise
+
+    return scoped
 
 
 @dataclasses.dataclass(frozen=True)
@@ -392,7 +443,7 @@ def sync_value_and_grad(
             is_leaf=lambda path, _: param_name(path) in specs,
             is_leaf_takes_path=True,
         )
-        return fun(view, *args)
+        return call_with_views(fun, tuple(specs), "jaxsync.LayerStack")(view, *args)
 
     # Traced once into a jaxpr, whose taps are checked (the jaxpr holds them even
     # where JAX reused a cached scan body), then differentiated from that jaxpr.

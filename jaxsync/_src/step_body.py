@@ -23,8 +23,8 @@ from .exact_sync import nonfinite_flags
 from .fsdp_grad import check_microbatches
 from .fsdp_view import ShardedLayers
 from .grad_sync import accumulate_grads, all_reduce_grads, value_and_grad
-from .nnx_bridge import ModelDef, trace_views
-from .scan_sync import DataParallel, LayerStack
+from .nnx_bridge import ModelDef
+from .scan_sync import DataParallel, LayerStack, trace_views
 from .step_checks import check_loss
 from .train_state import GuardState, TrainState, global_stats, guarded_update, padding_of
 
