@@ -175,8 +175,11 @@ def baselines(cfg, mesh, tokens) -> list[Case]:
     rparams = put(param_shapes(cfg, F32), rep)
     rstate = (rparams, put(jax.eval_shape(opt.init, rparams), rep))
 
-    @partial(jax.jit, donate_argnums=(0,),
-             out_shardings=((jax.tree.map(lambda _: rep, msh), msh, osh), rep))  # fmt: skip
+    # bf16 params replicated over data, with the TP split on a (data, model) mesh
+    zstate = (tp(param_shapes(cfg, BF16)), master, opt_state)
+    psh = jax.tree.map(lambda x: x.sharding, zstate[0])
+
+    @partial(jax.jit, donate_argnums=(0,), out_shardings=((psh, msh, osh), rep))
     def gspmd_zero1(state, tokens):
         params, master, opt_state = state
         loss, g = jax.value_and_grad(gloss)(params, tokens)
@@ -184,8 +187,6 @@ def baselines(cfg, mesh, tokens) -> list[Case]:
         updates, opt_state = opt.update(g, opt_state, master)
         master = optax.apply_updates(master, updates)
         return (model.cast(master, BF16), master, opt_state), loss
-
-    zstate = (put(param_shapes(cfg, BF16), rep), master, opt_state)
 
     @partial(jax.jit, donate_argnums=(0,), out_shardings=((msh, osh), rep))
     def gspmd_fsdp(state, tokens):
@@ -265,8 +266,12 @@ def main() -> None:
     ap.add_argument("--gpu", default="h100", choices=sorted(jaxsync.GPUS))
     ap.add_argument("--hosts", type=int, default=1)
     ap.add_argument("--gpus-per-host", type=int, default=8)
-    ap.add_argument("--tp", type=int, default=1,
-                    help="tensor-parallel size: a (data, model) mesh, TP specs on the params")
+    ap.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="tensor-parallel size: a (data, model) mesh, TP specs on the params",
+    )
     ap.add_argument("--only", default="", help="comma-separated method names")
     ap.add_argument("--flags", choices=("both", "default", "perf"), default="both")
     ap.add_argument("--out", default="", help="also write the table (markdown) here")
@@ -293,7 +298,8 @@ def main() -> None:
         flag_sets = {args.flags: flag_sets[args.flags]}
     bound = 2 * 4 * nparams / args.tp * (n - 1) / n  # a TP group's GPU holds ~1/tp
     title = (
-        f"{mesh.size} x {jaxsync.GPUS[args.gpu].name} {dict(mesh.shape)}, GPT d={d} L={layers} seq={seq} vocab={vocab}, "
+        f"{mesh.size} x {jaxsync.GPUS[args.gpu].name} {dict(mesh.shape)}, "
+        f"GPT d={d} L={layers} seq={seq} vocab={vocab}, "
         f"{nparams / 1e9:.2f}B params, {rows} rows/GPU, AdamW + clip; jax {jax.__version__}"
     )
     print(title, flush=True)

@@ -111,7 +111,8 @@ def test_explicit_path_and_label_errors():
     # train_step names the param and its label at init
     typo = lambda p: {**decay_weights(p), "scale": "nodecay"}  # noqa: E731
     step = jaxsync.train_step(mlp_loss, TRANSFORMS, mesh, mode="fsdp", labels=typo)
-    with pytest.raises(ValueError, match=r"param scale has label 'nodecay'.*\['decay', 'no_decay'\]"):
+    named = r"param scale has label 'nodecay'.*\['decay', 'no_decay'\]"
+    with pytest.raises(ValueError, match=named):
         step.init(params)
     # a mask, refused by the probe, points to labels in every mode
     masked = optax.adamw(1e-2, mask=lambda p: jax.tree.map(lambda x: x.ndim > 1, p))

@@ -8,17 +8,16 @@ backward loop.
 """
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import AxisType, NamedSharding
-from jax.sharding import PartitionSpec as P
-
-import jaxsync
 from conftest import require_devices
 from helpers import run_reference
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 from tp_gpt import gpt_batches, gpt_loss, gpt_params, tp_specs
+
+import jaxsync
 
 #: Per-device shapes of the params under tp_specs (the "model" dims halved).
 TP_SHAPES = {
@@ -52,8 +51,7 @@ def placed(mesh, params):
 def local_shapes(tree):
     flat = jax.tree_util.tree_flatten_with_path(tree)[0]
     return {
-        ".".join(str(k.key) for k in path): x.addressable_shards[0].data.shape
-        for path, x in flat
+        ".".join(str(k.key) for k in path): x.addressable_shards[0].data.shape for path, x in flat
     }
 
 
@@ -103,11 +101,15 @@ def test_gpt_on_data_and_model_axes(mode):
     assert held == (SHARD_SHAPES if mode == "fsdp" else TP_SHAPES)
     # The optimizer state: 1/4 over "data" on top of the TP split (DDP: the TP split).
     inner = state.opt_state.inner if mode == "zero" else state.opt_state
-    mu = inner[0].mu if mode != "fsdp" else jax.tree.map(  # the decay group's moments
-        lambda d, f: d if not isinstance(d, optax.MaskedNode) else f,
-        inner.inner_states["decay"].inner_state[0].mu,
-        inner.inner_states["flat"].inner_state[0].mu,
-        is_leaf=lambda x: isinstance(x, optax.MaskedNode),
+    mu = (
+        inner[0].mu
+        if mode != "fsdp"
+        else jax.tree.map(  # the decay group's moments
+            lambda d, f: d if not isinstance(d, optax.MaskedNode) else f,
+            inner.inner_states["decay"].inner_state[0].mu,
+            inner.inner_states["flat"].inner_state[0].mu,
+            is_leaf=lambda x: isinstance(x, optax.MaskedNode),
+        )
     )
     assert local_shapes(mu) == (TP_SHAPES if mode == "ddp" else SHARD_SHAPES)
     if mode == "zero":
@@ -119,3 +121,34 @@ def test_gpt_on_data_and_model_axes(mode):
     assert report.in_loop(kind, role="backward"), report.summary()
     if mode == "fsdp":
         assert report.in_loop("all-gather", role="forward"), report.summary()
+
+
+def test_nnx_scanned_module_keeps_its_tensor_parallel_kernel():
+    """An nnx.Module whose stacked kernel is placed over "model" (scan_layers, FSDP):
+    its views reach scan_layers, the kernel keeps its split, results match one device."""
+    from flax import nnx
+    from test_step import Scanned, loss_fn, reference
+
+    mesh = mesh_2d()
+    model = Scanned(nnx.Rngs(0))
+    params = nnx.state(model, nnx.Param)
+    column = lambda path, x: (  # noqa: E731
+        P(None, None, "model") if "blocks" in str(path) and x.ndim == 3 else P()
+    )
+    nnx.update(
+        model,
+        jax.tree_util.tree_map_with_path(
+            lambda p, x: jax.device_put(x, NamedSharding(mesh, column(p, x))), params
+        ),
+    )
+    step = jaxsync.train_step(loss_fn, optax.adam(1e-2), mesh, mode="fsdp", stacked="blocks")
+    state = step.init(model)
+    rng = np.random.default_rng(0)
+    batches = [(rng.standard_normal((16, 6), np.float32), rng.standard_normal((16, 3), np.float32))
+               for _ in range(2)]  # fmt: skip
+    for b in batches:
+        state, _ = step(state, b)
+    assert state.params["blocks"]["lin"]["kernel"].sharding.spec == P(None, "data", "model")
+    want, _ = reference(Scanned(nnx.Rngs(0)), optax.adam(1e-2), batches)
+    got = nnx.to_pure_dict(nnx.state(step.model(state), nnx.Param))
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6), got, want)

@@ -179,18 +179,17 @@ def _reduce_tap(group: str) -> Callable[..., Any]:
         del spec, sinks
         return params
 
-    def fwd(spec: tuple, params: list, sinks: list) -> tuple[list, Any]:
-        del spec
-        return params, [jnp.zeros((0,), s.dtype) for s in sinks]
+    def fwd(spec: tuple, params: list, sinks: list) -> tuple[list, None]:
+        del spec, sinks
+        return params, None
 
-    def bwd(spec: tuple, like: list, ct: list) -> tuple[None, list]:
+    def bwd(spec: tuple, _: None, ct: list) -> tuple[None, list]:
+        # The sinks' types match what the reduction returns (spec_step._sink).
         sync, plans = spec
-        out = [
+        return None, [
             reduce(g, p, sync.axes, sync.reduce_dtype, sync.factor, sync.scatter)
             for g, p in zip(ct, plans, strict=True)
         ]
-        del like
-        return None, out
 
     impl.__name__ = impl.__qualname__ = TAP_NAME.format(group=group)
     fn = jax.custom_vjp(impl, nondiff_argnums=(0,))

@@ -38,7 +38,10 @@ class ShardedLayers:
     def tree_unflatten(cls, aux: tuple[FullyShard, str], children: Any) -> ShardedLayers:
         return cls(children[0], *aux)
 
-    def jaxsync_gather(self) -> PyTree:
+    holds_shards = True  # the model sees placeholders until the tap gathers a layer
+
+    def jaxsync_tap(self) -> PyTree:
+        """This layer's params, gathered from its shard (:func:`jaxsync.tap`)."""
         return self.fs.gather_layer(self.shard, self.unit)
 
     def __getitem__(self, key: Any) -> Any:

@@ -23,7 +23,7 @@ from typing import Any
 import jax
 from flax import nnx
 
-from .scan_sync import _VIEWS, LayerStack, tap
+from .scan_sync import _VIEWS, is_view, tap
 
 PyTree = Any
 
@@ -57,11 +57,6 @@ STEP_FIX = (
 
 def _abstract(tree: PyTree) -> PyTree:
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
-
-
-def _is_view(x: Any) -> bool:
-    """jaxsync's stand-in for a stacked group (LayerStack, or FSDP's sharded layers)."""
-    return isinstance(x, LayerStack) or hasattr(x, "jaxsync_gather")
 
 
 def _dotted(path: tuple[Any, ...]) -> str:
@@ -224,11 +219,11 @@ def merge_module(graphdef: Any, *states: Any, params: PyTree) -> Any:
     plain, views = {}, {}
     for path, leaf in _flat(params).items():
         name = _dotted(path)
-        if not _is_view(leaf):
+        if not is_view(leaf):
             plain[path] = leaf
             continue
         views[name] = leaf
-        if isinstance(leaf, LayerStack):
+        if not leaf.holds_shards:
             sub = _flat(leaf.params) if isinstance(leaf.params, Mapping) else {(): leaf.params}
             plain.update({(*path, *p): x for p, x in sub.items()})
         else:  # FSDP's shards: placeholders, read only through scan_layers' tap

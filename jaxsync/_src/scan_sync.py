@@ -225,6 +225,22 @@ class LayerStack:
     def tree_unflatten(cls, spec: TapSpec, children: Any) -> LayerStack:
         return cls(*children, spec)
 
+    holds_shards = False  # the model's params are in it (FSDP's views hold shards)
+
+    def jaxsync_tap(self) -> PyTree:
+        """This layer's params; its gradient reduced in the backward loop (:func:`tap`)."""
+        spec = self.spec
+        leaves = _synced(spec, jax.tree.leaves(self.params))
+        for si, leaf in zip(spec.slots, leaves, strict=True):
+            slot = spec.layout.slots[si]
+            if tuple(leaf.shape) != slot.row_shape:
+                raise ValueError(
+                    f"jaxsync.tap got param {slot.path} of stacked group {spec.group!r} with "
+                    f"shape {tuple(leaf.shape)}; one layer's slice has shape {slot.row_shape}. "
+                    "Call it inside the scanned layer body, on the slice `lax.scan` passes in."
+                )
+        return _tap_of(spec.group)(spec, self.params, self.sinks, self.acc)
+
     def __getitem__(self, key: Any) -> Any:
         raise TypeError(NOT_TAPPED.format(group=self.spec.group))
 
@@ -260,23 +276,17 @@ def tap(layer: Any) -> Any:
       ...     return block(p, x), None
       >>> x, _ = jax.lax.scan(body, x, params["blocks"])
     """
-    own = getattr(type(layer), "jaxsync_tap", None)  # a 2-D step's view (jaxsync.dims)
-    if own is not None:
-        return own(layer)
-    if not isinstance(layer, LayerStack):
-        gather = getattr(layer, "jaxsync_gather", None)  # FSDP's stacked shards
-        return layer if gather is None else gather()
-    spec = layer.spec
-    leaves = _synced(spec, jax.tree.leaves(layer.params))
-    for si, leaf in zip(spec.slots, leaves, strict=True):
-        slot = spec.layout.slots[si]
-        if tuple(leaf.shape) != slot.row_shape:
-            raise ValueError(
-                f"jaxsync.tap got param {slot.path} of stacked group {spec.group!r} with shape "
-                f"{tuple(leaf.shape)}; one layer's slice has shape {slot.row_shape}. Call it "
-                "inside the scanned layer body, on the slice `lax.scan` passes in."
-            )
-    return _tap_of(spec.group)(spec, layer.params, layer.sinks, layer.acc)
+    # Every jaxsync view of a stacked group (LayerStack here, FSDP's ShardedLayers,
+    # a 2-D step's DimStack) taps itself; anything else is the layer's own params.
+    own = getattr(type(layer), "jaxsync_tap", None)
+    return layer if own is None else own(layer)
+
+
+def is_view(x: Any) -> bool:
+    """jaxsync's stand-in for a stacked group (LayerStack, FSDP's sharded layers, a
+    2-D step's DimStack): each taps itself. The type is asked, not the view, whose
+    ``__getattr__`` refuses every name to catch a model reading it untapped."""
+    return hasattr(type(x), "jaxsync_tap")
 
 
 @functools.cache

@@ -21,12 +21,12 @@ steps are the same :func:`guarded_update` as the other modes.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -41,16 +41,16 @@ from .dims import (
     pad,
     plan_param,
     reduce,
-    full_spec,
     spec_axes,
     unpad,
 )
-from .fsdp import check_microbatches
+from .fsdp_grad import check_microbatches
 from .loss_scale import init_loss_scale
 from .names import group_of, param_name
 from .optimizer_state import initial_metrics
+from .step_checks import labeled_tx
 from .tap_rules import check_taps
-from .train_state import GuardState, TrainState, global_stats, guarded_update
+from .train_state import GuardState, TrainState, global_stats
 
 PyTree = Any
 
@@ -108,9 +108,6 @@ class SpecLayout:
     def map(self, fn: Any, *trees: PyTree) -> PyTree:
         return jax.tree.map(fn, self.plans, *trees, is_leaf=lambda x: isinstance(x, DimPlan))
 
-    def padding(self, sharded: bool) -> int:
-        return sum(p.padding for p in self.leaves()) if sharded else 0
-
     def manual(self, mesh: Mesh) -> frozenset[str]:
         return frozenset(a for a in mesh.axis_names if a not in self.compiler)
 
@@ -145,10 +142,8 @@ def make_state(
     (traceable: the shardings come from ``layout``)."""
     mesh, data = cfg.mesh, cfg.axis_name
     tx = cfg.tx
-    if isinstance(tx, Mapping):  # labels with a mapping (zero/fsdp; ddp wrapped it already)
-        from .step_checks import checked_labels
-
-        tx = optax.multi_transform(dict(tx), checked_labels(cfg.labels, dict(tx)))
+    if isinstance(tx, Mapping):  # zero/fsdp parameter groups (ddp's tx is wrapped already)
+        tx = labeled_tx(tx, cfg.labels)
     sharding = lambda spec: NamedSharding(mesh, spec)  # noqa: E731
     param_specs = layout.map(lambda p: P(*p.spec))
     shard_specs = layout.map(lambda p: p.shard_spec(data))
@@ -252,9 +247,7 @@ def spec_body(cfg: Any, plan: Any, state: TrainState, batch: Any) -> tuple[Train
         }
     else:
         varying = [to_varying(x, data) for x in leaves]
-        sinks = {
-            g: [_sink(plans[i], varying[i], sync) for i in idx] for g, idx in groups.items()
-        }
+        sinks = {g: [_sink(plans[i], varying[i], sync) for i in idx] for g, idx in groups.items()}
         diff = {"free": [varying[i] for i in free], "sinks": sinks}
 
     def view(diff: dict) -> PyTree:
@@ -282,10 +275,18 @@ def spec_body(cfg: Any, plan: Any, state: TrainState, batch: Any) -> tuple[Train
     def f(diff: dict, b: Any) -> Any:
         return loss(view(diff), b)
 
+    # Traced once, the taps checked on that jaxpr, then differentiated from it
+    # (as sync_value_and_grad does on a 1-D mesh).
+    closed, shape = jax.make_jaxpr(f, return_shape=True)(diff, _first(batch, cfg.microbatches))
     if cfg.stacked:
-        check_taps(jax.make_jaxpr(f)(diff, _first(batch, cfg.microbatches)).jaxpr,
-                   tuple(groups), data, False)  # fmt: skip
-    grad_fn = jax.value_and_grad(f, has_aux=True)
+        check_taps(closed.jaxpr, tuple(groups), data, False)
+    out_tree = jax.tree.structure(shape)
+
+    def traced(diff: dict, b: Any) -> Any:
+        flat = jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *jax.tree.leaves((diff, b)))
+        return jax.tree.unflatten(out_tree, flat)
+
+    grad_fn = jax.value_and_grad(traced, has_aux=True)
     if cfg.microbatches == 1:
         (out, rest), g = grad_fn(diff, batch)
     else:
@@ -395,9 +396,15 @@ def spec_master(cfg: Any, plan: Any, state: TrainState) -> PyTree:
 
 
 def _unsharded(cfg: Any, plan: Any, shards: PyTree, cast: bool) -> PyTree:
-    layout: SpecLayout = plan.dims
-    out = layout.map(lambda p: NamedSharding(cfg.mesh, P(*p.spec)))
-    fn = lambda t: layout.map(  # noqa: E731
-        lambda p, x: unpad(x, p).astype(p.dtype if cast else x.dtype), t
-    )
-    return jax.jit(fn, out_shardings=out)(shards)
+    return _unshard_fn(plan.dims, cfg.mesh, cast)(shards)
+
+
+@functools.cache
+def _unshard_fn(layout: SpecLayout, mesh: Mesh, cast: bool) -> Any:
+    """One jitted unpad (and cast) per layout: ``step.params`` each step compiles once."""
+    out = layout.map(lambda p: NamedSharding(mesh, P(*p.spec)))
+
+    def fn(t: PyTree) -> PyTree:
+        return layout.map(lambda p, x: unpad(x, p).astype(p.dtype if cast else x.dtype), t)
+
+    return jax.jit(fn, out_shardings=out)

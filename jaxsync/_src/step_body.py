@@ -18,13 +18,11 @@ import jax
 import jax.numpy as jnp
 
 from .axes import varying_axes
-from .dims import DimStack
 from .exact_sync import nonfinite_flags
 from .fsdp_grad import check_microbatches
-from .fsdp_view import ShardedLayers
 from .grad_sync import accumulate_grads, all_reduce_grads, value_and_grad
 from .nnx_bridge import ModelDef
-from .scan_sync import DataParallel, LayerStack, trace_views
+from .scan_sync import DataParallel, is_view, trace_views
 from .step_checks import check_loss
 from .train_state import GuardState, TrainState, global_stats, guarded_update, padding_of
 
@@ -233,12 +231,9 @@ def split_views(params: Any, stacked: Sequence[str], template: Any) -> tuple[Any
         return params, views
 
     def walk(node: Any, tmpl: Any, prefix: str) -> Any:
-        if isinstance(node, LayerStack | ShardedLayers | DimStack):
+        if is_view(node):
             views[prefix] = node
-            plain = isinstance(node, LayerStack) or (
-                isinstance(node, DimStack) and not node.holds_shards
-            )
-            return node.params if plain else tmpl
+            return tmpl if node.holds_shards else node.params
         if isinstance(node, dict):
             return {
                 k: walk(v, tmpl[k], f"{prefix}.{k}" if prefix else str(k)) for k, v in node.items()

@@ -23,7 +23,7 @@ from .fsdp_gather import MixedPrecision
 from .loss_scale import LossScale, check_loss_scale
 from .placement import check_bucket_size, normalize_stacked
 from .step import MODES, TrainStep
-from .step_checks import checked_labels
+from .step_checks import labeled_tx
 
 
 def train_step(
@@ -149,7 +149,7 @@ def train_step(
         raise ValueError(f"`deterministic` does not support {what}; {fix}.")
     sharded_labels = labels if mode in ("zero", "fsdp") else None
     if labels is not None and mode == "ddp":  # a replicated optimizer: optax's own way
-        tx = optax.multi_transform(dict(tx), checked_labels(labels, dict(tx)))
+        tx = labeled_tx(tx, labels)
     return TrainStep(
         loss_fn=loss_fn,
         tx=tx,

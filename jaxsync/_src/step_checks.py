@@ -129,6 +129,15 @@ def checked_labels(labels: Any, inner: dict[str, Any]) -> Any:
     return labels_of
 
 
+def labeled_tx(tx: Any, labels: Any) -> Any:
+    """``optax.multi_transform`` of a mapping ``label -> optimizer`` with checked
+    ``labels``: how every step whose optimizer sees whole params (DDP, and all
+    modes on a 2-D mesh) runs parameter groups."""
+    import optax
+
+    return optax.multi_transform(dict(tx), checked_labels(labels, dict(tx)))
+
+
 SPEC_AXIS_UNKNOWN = (
     "{fn}: param {param} (shape {shape}) carries the sharding {spec}, over {missing}, which "
     "the step's mesh {names} does not have. Shard the params over the step's mesh (the "
