@@ -26,7 +26,7 @@ plot: $(STAMP)
 	$(PY) examples/plot_metrics.py $(METRICS)
 
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadfile
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
