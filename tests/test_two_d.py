@@ -28,9 +28,10 @@ TP_SHAPES = {
 }  # fmt: skip
 #: ...and of their ZeRO/FSDP shards: the first free dim (not the layer axis, not a
 #: "model" dim) cut in 4; up_b has none (layer axis + "model"), so it stays whole.
+#: Params "model" replicates (embed, the norms) are cut over "model" too: 1/8.
 SHARD_SHAPES = {
-    "embed": (8, 16), "head": (4, 16), "ln_f": (4,),
-    "blocks.ln1": (2, 4), "blocks.ln2": (2, 4), "blocks.qkv": (2, 4, 24),
+    "embed": (4, 16), "head": (4, 16), "ln_f": (2,),
+    "blocks.ln1": (2, 2), "blocks.ln2": (2, 2), "blocks.qkv": (2, 4, 24),
     "blocks.out": (2, 8, 4), "blocks.up": (2, 4, 16), "blocks.up_b": (2, 16),
     "blocks.down": (2, 16, 4),
 }  # fmt: skip

@@ -36,6 +36,7 @@ from .dims import (
     DimStack,
     DimSync,
     DimTapSpec,
+    defers,
     gather,
     gather_params,
     pad,
@@ -113,15 +114,16 @@ class SpecLayout:
 
 
 def plan_layout(
-    params: PyTree, data: tuple[str, ...], compiler: tuple[str, ...], n: int, stacked: tuple
+    params: PyTree, data: tuple[str, ...], compiler: Mapping[str, int], n: int, stacked: tuple
 ) -> SpecLayout:
     def one(path: Any, x: Any) -> DimPlan:
         name = param_name(path)
         layered = group_of(name, stacked) is not None
-        return plan_param(name, tuple(x.shape), x.dtype, param_spec(x, data), n, layered)
+        spec = param_spec(x, data)
+        return plan_param(name, tuple(x.shape), x.dtype, spec, n, layered, compiler)
 
     plans = jax.tree_util.tree_map_with_path(one, params)
-    return SpecLayout(plans, data, compiler, stacked)
+    return SpecLayout(plans, data, tuple(compiler), stacked)
 
 
 def spec_layout(cfg: Any, params: PyTree) -> SpecLayout | None:
@@ -132,7 +134,8 @@ def spec_layout(cfg: Any, params: PyTree) -> SpecLayout | None:
     if not compiler:
         return None
     n = mesh_axes_size(cfg.mesh, data, "jaxsync.train_step")
-    return plan_layout(params, data, compiler, n, cfg.stacked)
+    sizes = {a: cfg.mesh.shape[a] for a in compiler}
+    return plan_layout(params, data, sizes, n, cfg.stacked)
 
 
 def make_state(
@@ -237,14 +240,9 @@ def spec_body(cfg: Any, plan: Any, state: TrainState, batch: Any) -> tuple[Train
     leaves = treedef.flatten_up_to(state.params)
 
     if fsdp:
-        # Shards are per-device values; a param kept whole stays replicated (its
-        # gradient is all-reduced by the gather's backward, to an invariant value).
-        diff = {
-            "leaves": [
-                x if p.dim is None else to_varying(x, data)
-                for x, p in zip(leaves, plans, strict=True)
-            ]
-        }
+        # Per-device values, a param kept whole too: its gradient leaves the
+        # gather's backward unreduced (dims.defers) and is all-reduced below.
+        diff = {"leaves": [to_varying(x, data) for x in leaves]}
     else:
         varying = [to_varying(x, data) for x in leaves]
         sinks = {g: [_sink(plans[i], varying[i], sync) for i in idx] for g, idx in groups.items()}
@@ -303,12 +301,17 @@ def spec_body(cfg: Any, plan: Any, state: TrainState, batch: Any) -> tuple[Train
         rest = jax.tree.map(lambda x: x[-1], rests)
     grads: list[Any] = [None] * len(plans)
     if fsdp:
-        grads = list(g["leaves"])
+        grads = [
+            reduce(gi, p, data, sync.reduce_dtype, sync.factor, False) if defers(p, sync) else gi
+            for gi, p in zip(g["leaves"], plans, strict=True)
+        ]
     else:
         for i, gi in zip(free, g["free"], strict=True):
             grads[i] = reduce(gi, plans[i], data, sync.reduce_dtype, sync.factor, scatter)
         for grp, idx in groups.items():
             for i, gi in zip(idx, g["sinks"][grp], strict=True):
+                if defers(plans[i], sync):  # all-reduced once for all layers
+                    gi = reduce(gi, plans[i], data, sync.reduce_dtype, sync.factor, False)
                 grads[i] = gi
     dtypes = [jnp.float32 if scatter else jnp.dtype(p.dtype) for p in plans]
     grads = [x.astype(d) for x, d in zip(grads, dtypes, strict=True)]
@@ -336,12 +339,13 @@ def _first(batch: Any, microbatches: int) -> Any:
 
 
 def _sink(plan: DimPlan, x: jax.Array, sync: DimSync) -> jax.Array:
-    """Zeros shaped like the stacked gradient after the reduction (local over data)."""
+    """Zeros shaped like the stacked gradient after the reduction (local over data;
+    a gradient :func:`dims.defers` is unreduced, per device)."""
     shape = list(x.shape)
     if sync.scatter and plan.dim is not None:
         shape[plan.dim] = plan.padded // jax.lax.axis_size(sync.axes)
     zeros = jnp.zeros(shape, sync.reduce_dtype)
-    return to_varying(zeros, sync.axes) if sync.scatter and plan.dim is not None else zeros
+    return to_varying(zeros, sync.axes) if sync.scatter else zeros
 
 
 def _stats(grads: list, plans: list[DimPlan], data: tuple[str, ...], scatter: bool) -> Any:
