@@ -31,20 +31,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from .axes import mesh_axes_size, to_varying
-from .dims import (
-    DimPlan,
-    DimStack,
-    DimSync,
-    DimTapSpec,
-    defers,
-    gather,
-    gather_params,
-    pad,
-    plan_param,
-    reduce,
-    spec_axes,
-    unpad,
-)
+from .dim_views import DimStack, DimSync, DimTapSpec, defers, gather_params
+from .dims import DimPlan, gather, pad, plan_param, reduce, spec_axes, unpad
 from .fsdp_grad import check_microbatches
 from .loss_scale import init_loss_scale
 from .names import group_of, param_name
