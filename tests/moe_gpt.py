@@ -20,22 +20,23 @@ import jaxsync
 EXPERTS, FF, TOP = 4, 32, 2
 
 
-def moe_params(key, dtype=jnp.float32):
-    ks = jax.random.split(key, 8)
-    n = lambda k, *s: (jax.random.normal(k, s) / np.sqrt(s[-2])).astype(dtype)  # noqa: E731
+def moe_params(seed=0, dtype=jnp.float32):
+    """Host (numpy) draws: eager jax.random would compile a kernel per shape."""
+    rng = np.random.default_rng(seed)
+    n = lambda *s: (rng.standard_normal(s, np.float32) / np.sqrt(s[-2])).astype(dtype)  # noqa: E731
     return {
-        "embed": (0.5 * jax.random.normal(ks[0], (VOCAB, D))).astype(dtype),
+        "embed": (0.5 * rng.standard_normal((VOCAB, D), np.float32)).astype(dtype),
         "blocks": {
-            "ln1": jnp.ones((LAYERS, D), dtype),
-            "qkv": n(ks[1], LAYERS, D, 3 * D),
-            "out": n(ks[2], LAYERS, D, D),
-            "ln2": jnp.ones((LAYERS, D), dtype),
-            "router": n(ks[3], LAYERS, D, EXPERTS),
-            "up": n(ks[4], LAYERS, EXPERTS, D, FF),
-            "down": n(ks[5], LAYERS, EXPERTS, FF, D),
+            "ln1": np.ones((LAYERS, D), dtype),
+            "qkv": n(LAYERS, D, 3 * D),
+            "out": n(LAYERS, D, D),
+            "ln2": np.ones((LAYERS, D), dtype),
+            "router": n(LAYERS, D, EXPERTS),
+            "up": n(LAYERS, EXPERTS, D, FF),
+            "down": n(LAYERS, EXPERTS, FF, D),
         },
-        "ln_f": jnp.ones((D,), dtype),
-        "head": n(ks[6], D, VOCAB),
+        "ln_f": np.ones((D,), dtype),
+        "head": n(D, VOCAB),
     }
 
 
@@ -89,6 +90,6 @@ def moe_loss(params, batch):
     return -jnp.mean(jnp.sum(logp * jax.nn.one_hot(targets, VOCAB, dtype=logp.dtype), -1))
 
 
-def moe_batches(key, steps, batch):
-    tokens = jax.random.randint(key, (steps, batch, SEQ + 1), 0, VOCAB)
+def moe_batches(seed, steps, batch):
+    tokens = np.random.default_rng(seed).integers(0, VOCAB, (steps, batch, SEQ + 1), np.int32)
     return tokens[..., :-1], tokens[..., 1:]
