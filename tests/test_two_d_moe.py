@@ -43,9 +43,7 @@ SHARD_SHAPES = {
 
 def mesh_3d():
     require_devices(8)
-    return jax.make_mesh(
-        (2, 2, 2), ("data", "model", "expert"), axis_types=(AxisType.Auto,) * 3
-    )
+    return jax.make_mesh((2, 2, 2), ("data", "model", "expert"), axis_types=(AxisType.Auto,) * 3)
 
 
 def placed(mesh, params):
