@@ -49,21 +49,26 @@ def tp_specs(model="model"):
     }  # fmt: skip
 
 
-def _norm(x, g):
+def rms_norm(x, g):
     x = x.astype(jnp.float32)
     return x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-5) * g.astype(jnp.float32)
 
 
-def block(p, h):
+def attention(p, h):
+    """Causal self-attention with a pre-norm residual (``ln1``, ``qkv``, ``out``)."""
     b, t, _ = h.shape
-    x = _norm(h, p["ln1"])
+    x = rms_norm(h, p["ln1"])
     q, k, v = jnp.split(x @ p["qkv"].astype(jnp.float32), 3, axis=-1)
     heads = lambda a: a.reshape(b, t, HEADS, D // HEADS)  # noqa: E731
     s = jnp.einsum("bqhd,bkhd->bhqk", heads(q), heads(k)) / np.sqrt(D // HEADS)
     s = jnp.where(jnp.tril(jnp.ones((t, t), bool)), s, -1e9)
     a = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, -1), heads(v)).reshape(b, t, D)
-    h = h + a @ p["out"].astype(jnp.float32)
-    x = _norm(h, p["ln2"])
+    return h + a @ p["out"].astype(jnp.float32)
+
+
+def block(p, h):
+    h = attention(p, h)
+    x = rms_norm(h, p["ln2"])
     u = jax.nn.gelu(x @ p["up"].astype(jnp.float32) + p["up_b"].astype(jnp.float32))
     return h + u @ p["down"].astype(jnp.float32)
 
@@ -77,7 +82,7 @@ def gpt_loss(params, batch):
         return block(p, h), None
 
     h, _ = jax.lax.scan(jax.checkpoint(body), h, params["blocks"])
-    logits = _norm(h, params["ln_f"]) @ params["head"].astype(jnp.float32)
+    logits = rms_norm(h, params["ln_f"]) @ params["head"].astype(jnp.float32)
     logp = jax.nn.log_softmax(logits, -1)
     return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], -1))
 

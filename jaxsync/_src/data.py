@@ -65,3 +65,48 @@ def shard_batch(
         return jax.make_array_from_process_local_data(sharding, np.asarray(x))
 
     return jax.tree_util.tree_map_with_path(put, batch)
+
+
+ROWS_OUT_OF_ORDER = (
+    "{fn}: batch leaf {leaf} is split over {rows} ({spec}). The step splits the rows over "
+    "its data axes {data}, so rows also split over other axes must name the data axes "
+    "first: P({want!r}). Place it with that spec, or pass host arrays (placed over {data})."
+)
+
+
+def rows_kept(x: Any, mesh: Mesh, axes: tuple[str, ...], fn: str, path: Any = ()) -> bool:
+    """Whether a placed batch leaf keeps its sharding in a step over ``axes``.
+
+    A leaf whose rows are split over the data axes *and then* other axes
+    (``P(("data", "expert"))``) stays as it is: each data rank's rows remain
+    split over the other axes for the compiler, so devices along an axis the
+    model is sharded over (experts) do not all run the same rows. Since every
+    data rank still gets its own contiguous rows, the loss (the mean over them)
+    and the 1/n of the gradient are those of :func:`shard_batch`'s layout.
+    Any other leaf (host arrays, rows over the data axes only) is placed by
+    :func:`shard_batch`.
+
+    Raises:
+      ValueError: the rows are split over other axes but not data axes first.
+    """
+    sharding = getattr(x, "sharding", None)
+    if not isinstance(sharding, NamedSharding) or not sharding.spec:
+        return False
+    spec = sharding.spec
+    rows = spec[0] if isinstance(spec[0], tuple) else () if spec[0] is None else (spec[0],)
+    if all(a in axes for a in rows):
+        return False
+    same = sharding.mesh.shape_tuple == mesh.shape_tuple and (
+        [d.id for d in sharding.mesh.devices.flat] == [d.id for d in mesh.devices.flat]
+    )
+    if not same:  # another mesh: placed anew, as host arrays are
+        return False
+    if rows[: len(axes)] == axes:
+        return True
+    want = axes + tuple(a for a in rows if a not in axes)
+    raise ValueError(
+        ROWS_OUT_OF_ORDER.format(
+            fn=fn, leaf=jax.tree_util.keystr(path) or "(the batch)", rows=rows, spec=spec,
+            data=axes, want=want,
+        )
+    )  # fmt: skip

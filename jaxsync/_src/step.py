@@ -31,7 +31,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from .axes import mesh_axes_size
-from .data import shard_batch
+from .data import rows_kept, shard_batch
 from .deterministic import Deterministic
 from .finalize import SyncRules
 from .fsdp import fully_shard
@@ -241,11 +241,22 @@ class TrainStep:
     def place(self, batch: PyTree) -> PyTree:
         """``batch`` sharded over the data axes (rows per device must split into
         ``microbatches``); what ``__call__`` does to its batch. With several
-        processes each passes its own rows, as for :func:`jaxsync.shard_batch`."""
+        processes each passes its own rows, as for :func:`jaxsync.shard_batch`.
+
+        A leaf already placed with its rows split over the data axes and then
+        other axes (``P(("data", "expert"))``, for a model the compiler shards
+        over ``"expert"``) keeps that sharding; see :func:`rows_kept`.
+        """
         n = mesh_axes_size(self.mesh, self.axis_name, "TrainStep")
         batch_rows(batch, "TrainStep")
-        for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]:
-            rows = np.shape(x)[0] * jax.process_count() if np.ndim(x) else None
+        kept = jax.tree_util.tree_map_with_path(
+            lambda path, x: rows_kept(x, self.mesh, self.axis_name, "TrainStep.place", path),
+            batch,
+        )
+        for (path, x), keep in zip(
+            jax.tree_util.tree_flatten_with_path(batch)[0], jax.tree.leaves(kept), strict=True
+        ):
+            rows = np.shape(x)[0] * (1 if keep else jax.process_count()) if np.ndim(x) else None
             if rows is not None and self.microbatches > 1 and rows % (n * self.microbatches) == 0:
                 continue
             if rows is not None and self.microbatches > 1 and rows % n == 0:
@@ -256,8 +267,15 @@ class TrainStep:
                     f"multiple of {n * self.microbatches}."
                 )
         if all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(batch)):
-            return _abstract_batch(batch, self.mesh, self.axis_name)
-        return shard_batch(batch, self.mesh, axis_name=self.axis_name)
+            return _abstract_batch(batch, self.mesh, self.axis_name, kept)
+        if not any(jax.tree.leaves(kept)):
+            return shard_batch(batch, self.mesh, axis_name=self.axis_name)
+        rest = jax.tree.map(lambda x, keep: None if keep else x, batch, kept)
+        placed = shard_batch(rest, self.mesh, axis_name=self.axis_name)
+        return jax.tree.map(
+            lambda keep, x, p: x if keep else p, kept, batch, placed,
+            is_leaf=lambda v: v is None,
+        )  # fmt: skip
 
     def _plan(self, state: Any, fn: str) -> Plan:
         if not isinstance(state, TrainState):
@@ -381,11 +399,13 @@ def _full_spec(spec: P, ndim: int) -> P:
     return P(*spec, *([None] * (ndim - len(spec))))
 
 
-def _abstract_batch(batch: PyTree, mesh: Mesh, axes: tuple[str, ...]) -> PyTree:
+def _abstract_batch(batch: PyTree, mesh: Mesh, axes: tuple[str, ...], kept: PyTree) -> PyTree:
     """``ShapeDtypeStruct`` batch leaves with the sharding ``place`` would give them."""
     n = mesh_axes_size(mesh, axes, "TrainStep.place")
 
-    def one(path: Any, x: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
+    def one(path: Any, x: jax.ShapeDtypeStruct, keep: bool) -> jax.ShapeDtypeStruct:
+        if keep:
+            return x
         if not x.shape or x.shape[0] % n:
             raise ValueError(
                 f"batch leaf {jax.tree_util.keystr(path)} has shape {x.shape}; its first axis "
@@ -394,7 +414,7 @@ def _abstract_batch(batch: PyTree, mesh: Mesh, axes: tuple[str, ...]) -> PyTree:
         spec = _full_spec(P(axes if len(axes) > 1 else axes[0]), len(x.shape))
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec))
 
-    return jax.tree_util.tree_map_with_path(one, batch)
+    return jax.tree_util.tree_map_with_path(one, batch, kept)
 
 
 def _distinct(tree: PyTree) -> PyTree:

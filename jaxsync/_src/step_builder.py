@@ -67,7 +67,10 @@ def train_step(
       mode: ``"zero"`` (sharded fp32 master and optimizer state), ``"ddp"``
         (replicated optimizer, bucketed all-reduce) or ``"fsdp"`` (params too
         sharded, gathered per unit).
-      axis_name: the data-parallel axis (or axes); the batch is split over it.
+      axis_name: the data-parallel axis (or axes); the batch is split over it. Axes
+        the model is sharded over (``"model"``, ``"expert"``) are not data axes, even
+        when the batch is split over them too: place such a batch with its rows over
+        the data axes first (``P(("data", "expert"))``) and the step keeps it so.
       microbatches: gradient accumulation: each device's rows are split into this
         many microbatches, run one after another and synced once.
       rules: :class:`jaxsync.SyncRules` (``"ddp"``/``"zero"``).

@@ -18,6 +18,7 @@ import numpy as np
 
 from .axes import varying_axes
 from .consistency import check_agree, describe_value, param_values, structure
+from .dims import spec_axes
 from .names import param_name
 
 PyTree = Any
@@ -147,6 +148,16 @@ SPEC_NOT_SUPPORTED = (
     "{fn}: param {param} (shape {shape}) is sharded over {other} ({spec}), so the step leaves "
     "{other} to the compiler (tensor parallelism by specs); {what} cannot run there: {fix}."
 )
+SPEC_PART_OF_DATA = (
+    "{fn}: param {param} (shape {shape}) is sharded over {ours} ({spec}), part of the step's "
+    "data axes {data}. The step holds every param whole over its data axes (and shards it "
+    "over all of them itself in 'zero' and 'fsdp'), so this split would be dropped and "
+    "every device would hold the whole param. If {ours} is a model axis (e.g. experts), "
+    "leave it out of `axis_name` (axis_name={rest!r}) and split the batch rows over it "
+    "after the data axes (place the batch with P({rows!r})): the compiler then keeps the "
+    "param's split and jaxsync reduces its gradient over {rest!r} only. If the split is "
+    "only where the param was created, pass it replicated (or split over all of {data})."
+)
 SPEC_DIVIDES = (
     "{fn}: param {param} (shape {shape}) carries the sharding {spec}, and dimension {dim} "
     "(size {size}) does not divide over {axes} (size {n}). Choose a spec whose axes divide "
@@ -156,8 +167,9 @@ SPEC_DIVIDES = (
 
 def check_param_shardings(params: PyTree, cfg: Any, fn: str) -> None:
     """What a step cannot honour about its params' shardings is an error, never a
-    silent replication: axes the mesh lacks, specs that do not divide, and options
-    that need every param replicated outside the data axes."""
+    silent replication: axes the mesh lacks, specs that do not divide, a split over
+    some of the data axes only (expert parallelism misplaced in ``axis_name``), and
+    options that need every param replicated outside the data axes."""
     mesh, data = cfg.mesh, cfg.axis_name
     first = None
     for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
@@ -165,6 +177,16 @@ def check_param_shardings(params: PyTree, cfg: Any, fn: str) -> None:
         if spec is None:
             continue
         name, shape = param_name(path), tuple(np.shape(x))
+        named = [a for entry in spec for a in spec_axes(entry)]
+        ours = tuple(a for a in data if a in named)
+        if ours and len(ours) < len(data):
+            rest = tuple(a for a in data if a not in ours)
+            raise ValueError(
+                SPEC_PART_OF_DATA.format(
+                    fn=fn, param=name, shape=shape, spec=spec, ours=ours, data=data,
+                    rest=rest[0] if len(rest) == 1 else rest, rows=rest + ours,
+                )
+            )  # fmt: skip
         for dim, entry in enumerate(spec):
             axes = () if entry is None else entry if isinstance(entry, tuple) else (entry,)
             missing = [a for a in axes if a not in mesh.axis_names]
