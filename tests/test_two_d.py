@@ -124,6 +124,29 @@ def test_gpt_on_data_and_model_axes(mode):
         assert report.in_loop("all-gather", role="forward"), report.summary()
 
 
+@pytest.mark.parametrize("mode", ["zero", "ddp", "fsdp"])
+def test_gpt_microbatches_on_data_and_model_axes(mode):
+    """Gradient accumulation on (data=4, model=2): 2 microbatches of each data rank's
+    rows give single-device optax's step on the whole batch (equal-sized halves)."""
+    mesh = mesh_2d()
+    params = gpt_params(jax.random.key(0))
+    batches = gpt_batches(jax.random.key(1), 2, 8)
+    tx = optax.adam(1e-2)
+    step = jaxsync.train_step(
+        gpt_loss, tx, mesh, mode=mode, stacked="blocks", clip_grad_norm=0.5, microbatches=2
+    )
+    state = step.init(placed(mesh, params))
+    for i in range(2):
+        state, _ = step(state, (batches[0][i], batches[1][i]))
+    want, _ = run_reference(
+        optax.chain(optax.clip_by_global_norm(0.5), tx), params, batches, loss_fn=gpt_loss
+    )
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6),
+        step.params(state), want,
+    )  # fmt: skip
+
+
 def test_nnx_scanned_module_keeps_its_tensor_parallel_kernel():
     """An nnx.Module whose stacked kernel is placed over "model" (scan_layers, FSDP):
     its views reach scan_layers, the kernel keeps its split, results match one device."""

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from .axes import mesh_axes_size, to_varying
+from .axes import mesh_axes_size, to_varying, varying_axes
 from .dim_views import DimStack, DimSync, DimTapSpec, defers, gather_params
 from .dims import DimPlan, gather, pad, plan_param, reduce, spec_axes, unpad
 from .fsdp_grad import check_microbatches
@@ -283,7 +283,10 @@ def spec_body(cfg: Any, plan: Any, state: TrainState, batch: Any) -> tuple[Train
             (o, r), gi = grad_fn(diff, mb)
             return jax.tree.map(jnp.add, acc, gi), (o, r)
 
-        zero = jax.tree.map(lambda x: jnp.zeros(x.shape, _grad_dtype(x)), diff)
+        # Each gradient is typed like its primal (varying over data, or not).
+        zero = jax.tree.map(
+            lambda x: to_varying(jnp.zeros(x.shape, _grad_dtype(x)), varying_axes(x)), diff
+        )
         g, (outs, rests) = jax.lax.scan(one, zero, mbs)
         out = jnp.mean(outs)
         rest = jax.tree.map(lambda x: x[-1], rests)
