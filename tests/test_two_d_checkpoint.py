@@ -7,6 +7,7 @@ as if it had never stopped.
 """
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -24,7 +25,7 @@ N, K = 2, 2  # steps before the checkpoint, steps after it
 BATCHES = gpt_batches(jax.random.key(1), N + K, 8)
 
 
-def make(mesh_name, mode, loss_scale=None, labels=False):
+def make(mesh_name, mode, loss_scale=None, labels=False, loss_fn=gpt_loss):
     """A step on the named mesh and its initial state (2-D: the params placed by tp_specs)."""
     require_devices(8)
     shape = MESHES[mesh_name]
@@ -38,7 +39,7 @@ def make(mesh_name, mode, loss_scale=None, labels=False):
             lambda path, x: "decay" if x.ndim - ("blocks" in str(path)) == 2 else "flat", params
         )
     step = jaxsync.train_step(
-        gpt_loss, tx, mesh, mode=mode, stacked="blocks", loss_scale=loss_scale, labels=groups
+        loss_fn, tx, mesh, mode=mode, stacked="blocks", loss_scale=loss_scale, labels=groups
     )
     if len(shape) > 1:
         params = jax.tree.map(
@@ -95,30 +96,45 @@ def test_a_run_continues_on_another_mesh_shape(tmp_path, mode, src, dst):
     assert max_diff(step_a.params(make(src, mode)[1]), got) > 1e-2  # it did train
 
 
+def poisoned_loss(params, batch):
+    """The GPT's loss times each row's weight: an Inf weight makes the step non-finite."""
+    tokens, targets, weight = batch
+    return gpt_loss(params, (tokens, targets)) * jnp.mean(weight)
+
+
+def weighted(i, poison=False):
+    return (*batch(i), np.full((8,), np.inf if poison else 1.0, np.float32))
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_the_loss_scale_and_skip_counters_survive(tmp_path, mode):
-    # 2**127 overflows the scaled fp32 loss: the first steps are skipped and the
-    # scale backs off until the steps apply.
-    scale = jaxsync.DynamicLossScale(initial_scale=2.0**127, growth_interval=2, hysteresis=1)
-    step_a, state = make("data4_model2", mode, loss_scale=scale)
-    for i in range(N + 1):
-        state, _ = step_a(state, batch(i))
-    assert int(state.metrics.skipped_steps) > 0, state.metrics
+    scale = jaxsync.DynamicLossScale(initial_scale=2.0**10, growth_interval=3, hysteresis=1)
+    step_a, state = make("data4_model2", mode, loss_scale=scale, loss_fn=poisoned_loss)
+    for i in range(N + 1):  # one skipped step (the scale halves), then two applied ones
+        state, _ = step_a(state, weighted(i, poison=i == 1))
+    m = state.metrics
+    assert (int(m.skipped_steps), int(state.step), float(state.loss_scale.scale)) == (1, N, 2.0**9)
     with jaxsync.Checkpointer(tmp_path) as ckpt:
         ckpt.save_state(step_a, state)
-    step_b, like = make("data8", mode, loss_scale=scale)
+    step_b, like = make("data8", mode, loss_scale=scale, loss_fn=poisoned_loss)
     with jaxsync.Checkpointer(tmp_path) as ckpt:
         new = ckpt.restore_state(step_b, like).state
-    assert int(new.step) == int(state.step)
+    assert int(new.step) == N
     # Scalars only: an FSDP step's NaN diagnostics are per unit on 1-D, per param on 2-D.
     scalars = lambda s: [np.asarray(x) for x in (*s.loss_scale, *s.metrics[:5])]  # noqa: E731
     for a, b in zip(scalars(state), scalars(new), strict=True):
         np.testing.assert_array_equal(a, b)
-    state, _ = step_a(state, batch(N + 1))
-    new, _ = step_b(new, batch(N + 1))
-    for a, b in zip(scalars(state), scalars(new), strict=True):
-        np.testing.assert_allclose(a, b, rtol=1e-5)
-    assert int(new.step) == int(state.step)
+    # Both go on the same. The growth counter was saved at 1 (one applied step
+    # since the skip): two more steps grow the scale, as three would from 0.
+    scales = []
+    for i, poison in ((N + 1, False), (N + 2, False), (N + 3, True)):
+        state, _ = step_a(state, weighted(i % (N + K), poison))
+        new, _ = step_b(new, weighted(i % (N + K), poison))
+        for a, b in zip(scalars(state)[:3], scalars(new)[:3], strict=True):  # the scaler
+            np.testing.assert_array_equal(a, b)
+        scales.append(float(new.loss_scale.scale))
+    assert scales == [2.0**9, 2.0**10, 2.0**9]
+    assert int(new.metrics.skipped_steps) == 2 and int(new.step) == N + 2
 
 
 @pytest.mark.parametrize("labels", [False, True])
@@ -132,7 +148,64 @@ def test_the_portable_form_is_the_one_dimensional_one(mode, labels):
         gpt_params(jax.random.key(0)), tp_specs(), is_leaf=lambda x: isinstance(x, P),
     )  # fmt: skip
     state_2 = two_d.abstract_state(spec)
-    form = lambda t: (  # noqa: E731
-        jax.tree.structure(t), [(x.shape, x.dtype) for x in jax.tree.leaves(t)]
-    )
+
+    def form(tree):
+        return jax.tree.structure(tree), [(x.shape, x.dtype) for x in jax.tree.leaves(tree)]
+
     assert form(portable_like(two_d, state_2, "t")) == form(portable_like(one_d, state_1, "t"))
+
+
+@pytest.mark.parametrize("mode", ["zero", "fsdp"])
+def test_parameter_groups_continue_on_another_mesh_shape(tmp_path, mode):
+    step_a, state = make("data4_model2", mode, labels=True)
+    state, _ = step_a(state, batch(0))
+    with jaxsync.Checkpointer(tmp_path) as ckpt:
+        ckpt.save_state(step_a, state)
+    step_b, like = make("data8", mode, labels=True)
+    with jaxsync.Checkpointer(tmp_path) as ckpt:
+        new = ckpt.restore_state(step_b, like).state
+    for i in (1, 2):
+        state, _ = step_a(state, batch(i))
+        new, _ = step_b(new, batch(i))
+    assert max_diff(step_a.params(state), step_b.params(new)) < 2e-6
+
+
+def small_loss(params, batch):
+    x, y = batch
+    return jnp.mean((jnp.tanh(x @ params["w"]) @ params["v"] + params["b"] - y) ** 2)
+
+
+@pytest.mark.parametrize("mode", ["zero", "fsdp"])
+def test_padded_shards_move_unpadded(tmp_path, mode):
+    """Dims of 6 over data=4 are padded to 8 on the 2-D mesh; the checkpoint holds
+    them unpadded, as the 1-D step on data=8 (which pads its own way) reads them."""
+    require_devices(8)
+    rng = np.random.default_rng(0)
+    params = {
+        "w": rng.standard_normal((6, 4), np.float32),
+        "v": rng.standard_normal((4, 6), np.float32),
+        "b": np.zeros((6,), np.float32),
+    }
+    data = [(rng.standard_normal((8, 6), np.float32), rng.standard_normal((8, 6), np.float32))
+            for _ in range(3)]  # fmt: skip
+    mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+    specs = {"w": P(None, "model"), "v": P("model", None), "b": P()}
+    step_a = jaxsync.train_step(small_loss, optax.adam(1e-2), mesh, mode=mode)
+    state = step_a.init(
+        {k: jax.device_put(x, NamedSharding(mesh, specs[k])) for k, x in params.items()}
+    )
+    padded = state.params if mode == "fsdp" else state.opt_state.master
+    assert padded["w"].shape == (8, 4) and padded["b"].shape == (8,)  # the test's premise
+    state, _ = step_a(state, data[0])
+    with jaxsync.Checkpointer(tmp_path) as ckpt:
+        ckpt.save_state(step_a, state)
+    mesh8 = jax.make_mesh((8,), ("data",))
+    step_b = jaxsync.train_step(small_loss, optax.adam(1e-2), mesh8, mode=mode)
+    with jaxsync.Checkpointer(tmp_path) as ckpt:
+        new = ckpt.restore_state(step_b, step_b.init(params)).state
+    for a, b in zip(leaves(step_a.master(state)), leaves(step_b.master(new)), strict=True):
+        np.testing.assert_array_equal(a, b)
+    for b in data[1:]:
+        state, _ = step_a(state, b)
+        new, _ = step_b(new, b)
+    assert max_diff(step_a.params(state), step_b.params(new)) < 2e-6
