@@ -17,6 +17,11 @@ number of data-parallel devices:
 the step's mesh, whatever its DP size, into the shardings of ``state_like``
 (the state ``train_step.init`` returns, or ``train_step.abstract_state``'s).
 What the checkpoint lacks is named, never re-initialised.
+
+A state of a step whose params are also sharded over other mesh axes (2-D,
+tensor parallelism by specs) is written in the same form as a 1-D step's
+(:mod:`spec_portable`): a checkpoint moves between ``data=8`` and
+``(data=4, model=2)`` in both directions.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from . import fsdp_global
+from . import fsdp_global, spec_portable
 from .checksum import tree_checksums
 from .describe import describe_optimizer, optimizer_differences
 from .train_state import TrainState
@@ -81,8 +86,10 @@ def _data_to_keys(tree: PyTree, like: PyTree) -> PyTree:
 def to_portable(ts: Any, state: TrainState, fn: str) -> dict[str, Any]:
     """``state`` as per-param arrays independent of the DP size."""
     plan = ts._plan(state, fn)
-    params, opt = state.params, state.opt_state
-    if ts.mode == "zero":
+    params, opt, guard = state.params, state.opt_state, state.guard
+    if plan.dims is not None:
+        params, opt, guard = spec_portable.to_portable(ts, plan, state, fn)
+    elif ts.mode == "zero":
         opt = plan.tx.to_portable(opt, params, ts.mesh)
     elif ts.mode == "fsdp":
         params = plan.fs.unshard(params, ts.mesh)
@@ -92,7 +99,7 @@ def to_portable(ts: Any, state: TrainState, fn: str) -> dict[str, Any]:
         "params": params,
         "opt_state": opt,
         "model_state": _keys_to_data(state.model_state),
-        "guard": {} if state.guard is None else state.guard,
+        "guard": {} if guard is None else guard,
     }
 
 
@@ -102,7 +109,10 @@ def portable_like(ts: Any, like: TrainState, fn: str) -> dict[str, Any]:
     plan = ts._plan(like, fn)
     sds = lambda x, s=None: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s or x.sharding)  # noqa: E731
     params, opt = jax.tree.map(sds, like.params), jax.tree.map(sds, like.opt_state)
-    if ts.mode == "zero":
+    guard = {} if like.guard is None else jax.tree.map(sds, like.guard)
+    if plan.dims is not None:
+        params, opt, guard = spec_portable.portable_like(ts, plan, like, fn)
+    elif ts.mode == "zero":
         opt = plan.tx.portable_shapes(like.params, ts.mesh)
     elif ts.mode == "fsdp":
         rep = NamedSharding(ts.mesh, P())
@@ -119,7 +129,7 @@ def portable_like(ts: Any, like: TrainState, fn: str) -> dict[str, Any]:
         "params": params,
         "opt_state": opt,
         "model_state": model_state,
-        "guard": {} if like.guard is None else jax.tree.map(sds, like.guard),
+        "guard": guard,
     }
 
 
@@ -127,18 +137,31 @@ def from_portable(ts: Any, portable: dict[str, Any], like: TrainState, fn: str) 
     """Inverse of :func:`to_portable` onto ``like``'s mesh and shardings."""
     plan = ts._plan(like, fn)
     params, opt = portable["params"], portable["opt_state"]
-    if ts.mode == "zero":
+    guard = None
+    if plan.dims is not None:
+        params, opt, guard = spec_portable.from_portable(ts, plan, portable, like)
+    elif ts.mode == "zero":
         opt = plan.tx.from_portable(opt, params, ts.mesh)
     elif ts.mode == "fsdp":
         params = plan.fs.shard(params, ts.mesh)
         opt = fsdp_global.from_portable(plan.fs, opt, plan.template, ts.mesh)
-    guard = None if like.guard is None else type(like.guard)(*portable["guard"])
-    if guard is not None:
-        guard = jax.tree.unflatten(jax.tree.structure(like.guard), jax.tree.leaves(guard))
+    if guard is None and like.guard is not None:
+        guard = jax.tree.unflatten(
+            jax.tree.structure(like.guard), jax.tree.leaves(portable["guard"])
+        )
     model_state = _data_to_keys(portable["model_state"], like.model_state)
     state = TrainState(portable["step"], params, opt, model_state, guard)
     state = jax.tree.unflatten(jax.tree.structure(like), jax.tree.leaves(state))
     return jax.tree.map(lambda x, ref: jax.device_put(x, ref.sharding), state, like)
+
+
+def _described_tx(ts: Any, state: TrainState, fn: str) -> Any:
+    """The optimizer a checkpoint records: ZeRO's distributed optimizer (on a 2-D
+    mesh the one a 1-D step would build, whose portable form the state takes)."""
+    if ts.mode != "zero":
+        return None
+    plan = ts._plan(state, fn)
+    return plan.tx if plan.dims is None else spec_portable.zero_optimizer(ts)
 
 
 def save_state(
@@ -154,7 +177,7 @@ def save_state(
     portable = to_portable(ts, state, fn)
     step = int(state.step) if step is None else step
     step, meta = ckpt._check_save(step, meta)
-    tx = ts._plan(state, fn).tx if ts.mode == "zero" else None
+    tx = _described_tx(ts, state, fn)
     tree = {**portable, "extra": extra or {}}
     checks = {
         "version": 1,
@@ -193,7 +216,7 @@ def restore_state(
         extra_like or {},
     )
     target = {**like, "extra": extra}
-    tx = ts._plan(state_like, fn).tx if ts.mode == "zero" else None
+    tx = _described_tx(ts, state_like, fn)
     changed = optimizer_differences(
         checks.get("optimizer", {}), describe_optimizer(tx, state_like.params, like["opt_state"])
     )
