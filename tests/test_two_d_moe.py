@@ -32,11 +32,13 @@ EP_SHAPES = {
     "blocks.up": (2, 2, 16, 16), "blocks.down": (2, 2, 16, 16),
 }  # fmt: skip
 #: ...and of their ZeRO/FSDP shards: the first free dim (not the layer axis, not an
-#: "expert" or "model" dim) halved over "data".
+#: "expert" or "model" dim) halved over "data", and cut further over the compiler
+#: axes the param is not split over (dims.plan_param's spread): the norms, router and
+#: embed by 2 x 2 x 2, qkv/out/head by 2 x 2 ("data", "expert"), the experts by 2.
 SHARD_SHAPES = {
-    "embed": (16, 16), "head": (8, 16), "ln_f": (8,),
-    "blocks.ln1": (2, 8), "blocks.ln2": (2, 8), "blocks.qkv": (2, 8, 24),
-    "blocks.out": (2, 8, 8), "blocks.router": (2, 8, 4),
+    "embed": (4, 16), "head": (4, 16), "ln_f": (2,),
+    "blocks.ln1": (2, 2), "blocks.ln2": (2, 2), "blocks.qkv": (2, 4, 24),
+    "blocks.out": (2, 8, 4), "blocks.router": (2, 2, 4),
     "blocks.up": (2, 2, 8, 16), "blocks.down": (2, 2, 16, 8),
 }  # fmt: skip
 

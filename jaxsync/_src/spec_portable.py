@@ -22,7 +22,7 @@ gathered on one device.
 
 from __future__ import annotations
 
-import functools
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -198,18 +198,24 @@ def group_from_portable(
 
 
 # --------------------------------------------------------------- the modes
-@functools.cache
+_ZERO_OPTIMIZERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def zero_optimizer(ts: Any) -> Any:
     """The distributed optimizer a 1-D step with ``ts``'s settings builds: its
-    portable form and checkpoint description are the ones a 2-D zero state takes."""
+    portable form and checkpoint description are the ones a 2-D zero state takes.
+    (Kept per step while the step lives: a cache would keep every step alive.)"""
     from .optimizer import distributed_optimizer
 
-    return distributed_optimizer(
+    if ts in _ZERO_OPTIMIZERS:
+        return _ZERO_OPTIMIZERS[ts]
+    _ZERO_OPTIMIZERS[ts] = tx = distributed_optimizer(
         ts.tx, axis_name=ts.axis_name, bucket_size=ts.bucket_size,
         reduce_dtype=ts.reduce_dtype, clip_grad_norm=ts.clip_grad_norm,
         loss_scale=ts.loss_scale, rules=ts.rules, stacked=ts.stacked or None,
         deterministic=ts.deterministic, labels=ts.labels,
     )  # fmt: skip
+    return tx
 
 
 def _zero_groups(ts: Any, layout: SpecLayout) -> list[tuple[str, str | None, frozenset[str]]]:
