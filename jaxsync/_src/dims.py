@@ -251,10 +251,9 @@ def gather(shard: jax.Array, plan: DimPlan, axes: tuple[str, ...]) -> jax.Array:
 
         def fn(b: jax.Array) -> jax.Array:
             # Over the data axes first (the small pieces cross hosts), then the spread
-            # axes; the [M, n, s/M] result is reordered into the data-major layout.
+            # axes into [n, M, s/M]: the data-major layout, with no transpose.
             b = jax.lax.all_gather(b, axes, axis=d, tiled=False, to="invarying")
-            b = jax.lax.all_gather(b, plan.spread, axis=d, tiled=False, to="invarying")
-            b = jnp.swapaxes(b, d, d + 1)
+            b = jax.lax.all_gather(b, plan.spread, axis=d + 1, tiled=False, to="invarying")
             return b.reshape(*b.shape[:d], -1, *b.shape[d + 3 :])
 
     return unpad(on_blocks(fn, shard, plan, in_cut=True), plan)
