@@ -55,6 +55,7 @@ from .step_checks import (
     check_state_mesh,
 )
 from .train_state import GuardState, TrainState
+from .xla_options import step_compiler_options
 
 PyTree = Any
 MODES = ("ddp", "zero", "fsdp")
@@ -300,7 +301,10 @@ class TrainStep:
             body = jax.shard_map(
                 step, mesh=self.mesh, in_specs=(plan.specs, P(data)), out_specs=(plan.specs, P())
             )
-            return jax.jit(body, donate_argnums=donate)
+            return jax.jit(
+                body, donate_argnums=donate,
+                compiler_options=step_compiler_options(self.mode, two_d=False),
+            )  # fmt: skip
         # Manual over the data axes (and any axis no param uses); the compiler
         # partitions the rest, and the jit pins the state's whole shardings.
         manual = plan.dims.manual(self.mesh)
@@ -313,7 +317,7 @@ class TrainStep:
         whole = jax.tree.map(lambda s: NamedSharding(self.mesh, s), plan.specs, is_leaf=is_spec)
         return jax.jit(
             body, in_shardings=(whole, None), out_shardings=(whole, NamedSharding(self.mesh, P())),
-            donate_argnums=donate,
+            donate_argnums=donate, compiler_options=step_compiler_options(self.mode, two_d=True),
         )  # fmt: skip
 
     # ------------------------------------------------------------ state API
