@@ -147,6 +147,35 @@ def test_gpt_microbatches_on_data_and_model_axes(mode):
     )  # fmt: skip
 
 
+def test_fsdp_remat_policy_keeps_gathered_layers():
+    """2-D FSDP names each gathered layer as 1-D FSDP does: a layer body remat'd with
+    save_only_these_names("jaxsync_gathered_layer") gathers once (forward), the
+    default remat gathers again in the backward loop; both give the same step."""
+    from functools import partial
+
+    mesh = mesh_2d()
+    params = gpt_params(jax.random.key(0))
+    tokens, targets = gpt_batches(jax.random.key(1), 1, 8)
+    batch = (tokens[0], targets[0])
+    keep = jax.checkpoint_policies.save_only_these_names("jaxsync_gathered_layer")
+    got = {}
+    for name, policy in (("regather", None), ("keep", keep)):
+        step = jaxsync.train_step(
+            partial(gpt_loss, remat_policy=policy), optax.adam(1e-2), mesh, mode="fsdp",
+            stacked="blocks",
+        )  # fmt: skip
+        state = step.init(placed(mesh, params))
+        report = jaxsync.overlap_report(step.lower(state, batch).compile())
+        got[name] = (report, step.params(step(state, batch)[0]))
+    assert got["regather"][0].in_loop("all-gather", role="backward"), got["regather"][0].summary()
+    assert not got["keep"][0].in_loop("all-gather", role="backward"), got["keep"][0].summary()
+    assert got["keep"][0].in_loop("all-gather", role="forward"), got["keep"][0].summary()
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7),
+        got["keep"][1], got["regather"][1],
+    )  # fmt: skip
+
+
 def test_nnx_scanned_module_keeps_its_tensor_parallel_kernel():
     """An nnx.Module whose stacked kernel is placed over "model" (scan_layers, FSDP):
     its views reach scan_layers, the kernel keeps its split, results match one device."""

@@ -73,7 +73,7 @@ def block(p, h):
     return h + u @ p["down"].astype(jnp.float32)
 
 
-def gpt_loss(params, batch):
+def gpt_loss(params, batch, remat_policy=None):
     tokens, targets = batch
     h = params["embed"][tokens].astype(jnp.float32)
 
@@ -81,7 +81,7 @@ def gpt_loss(params, batch):
         p = jaxsync.tap(p)  # identity outside jaxsync's in-loop sync
         return block(p, h), None
 
-    h, _ = jax.lax.scan(jax.checkpoint(body), h, params["blocks"])
+    h, _ = jax.lax.scan(jax.checkpoint(body, policy=remat_policy), h, params["blocks"])
     logits = rms_norm(h, params["ln_f"]) @ params["head"].astype(jnp.float32)
     logp = jax.nn.log_softmax(logits, -1)
     return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], -1))

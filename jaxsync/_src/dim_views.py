@@ -16,9 +16,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from .axes import to_varying, varying_axes
 from .dims import DimPlan, gather, reduce
+from .fsdp import GATHERED
 from .tap_rules import TAP_NAME
 
 PyTree = Any
@@ -168,7 +170,9 @@ class DimStack:
                 )
         key = (spec.sync, spec.plans)
         if spec.sync.fsdp:
-            out = _gather_tap(spec.group)(key, leaves)
+            # Named as on a 1-D mesh: save_only_these_names(GATHERED) keeps the
+            # gathered layer for the backward instead of gathering it again.
+            out = [checkpoint_name(x, GATHERED) for x in _gather_tap(spec.group)(key, leaves)]
         else:
             out = _reduce_tap(spec.group)(key, leaves, jax.tree.leaves(self.sinks))
         return jax.tree.unflatten(spec.treedef, out)
