@@ -184,3 +184,21 @@ def nnx_reference(model, opt, loss_fn, batches):
     for b in batches:
         params, opt_state, norm = step(params, opt_state, b)
     return params, norm
+
+
+def place_by_specs(mesh, params, specs):
+    """``params`` put on ``mesh`` with their PartitionSpecs (a tree of P like params)."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    return jax.tree.map(
+        lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), params, specs,
+        is_leaf=lambda x: isinstance(x, PartitionSpec),
+    )  # fmt: skip
+
+
+def local_shapes(tree) -> dict[str, tuple[int, ...]]:
+    """Each leaf's per-device shape, by dotted path."""
+    flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return {
+        ".".join(str(k.key) for k in path): x.addressable_shards[0].data.shape for path, x in flat
+    }

@@ -12,7 +12,7 @@ import numpy as np
 import optax
 import pytest
 from conftest import require_devices
-from helpers import run_reference
+from helpers import local_shapes, place_by_specs, run_reference
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 from tp_gpt import gpt_batches, gpt_loss, gpt_params, tp_specs
@@ -43,17 +43,7 @@ def mesh_2d():
 
 
 def placed(mesh, params):
-    return jax.tree.map(
-        lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), params, tp_specs(),
-        is_leaf=lambda x: isinstance(x, P),
-    )  # fmt: skip
-
-
-def local_shapes(tree):
-    flat = jax.tree_util.tree_flatten_with_path(tree)[0]
-    return {
-        ".".join(str(k.key) for k in path): x.addressable_shards[0].data.shape for path, x in flat
-    }
+    return place_by_specs(mesh, params, tp_specs())
 
 
 @pytest.mark.parametrize("mode", ["zero", "ddp", "fsdp"])

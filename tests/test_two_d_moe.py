@@ -16,7 +16,7 @@ import numpy as np
 import optax
 import pytest
 from conftest import require_devices
-from helpers import run_reference
+from helpers import local_shapes, place_by_specs, run_reference
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 from moe_gpt import moe_batches, moe_loss, moe_params, moe_specs
@@ -49,17 +49,7 @@ def mesh_3d():
 
 
 def placed(mesh, params):
-    return jax.tree.map(
-        lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), params, moe_specs(),
-        is_leaf=lambda x: isinstance(x, P),
-    )  # fmt: skip
-
-
-def local_shapes(tree):
-    flat = jax.tree_util.tree_flatten_with_path(tree)[0]
-    return {
-        ".".join(str(k.key) for k in path): x.addressable_shards[0].data.shape for path, x in flat
-    }
+    return place_by_specs(mesh, params, moe_specs())
 
 
 def rows(mesh, tokens, targets):
