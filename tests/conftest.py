@@ -43,3 +43,19 @@ def require_devices(n: int) -> None:
 def mesh8():
     require_devices(8)
     return jax.make_mesh((8,), ("data",))
+
+
+#: The longest files, longest first (`--durations` of a `make test` run): `make test`
+#: gives each of its 2 xdist workers whole files (`--dist loadfile`) in collection
+#: order, so these start first and the short files fill the end, not one long file
+#: running alone on one core.
+LONGEST_FIRST = (
+    "test_layerwise.py", "test_two_d_checkpoint.py", "test_multiprocess.py",
+    "test_deterministic.py", "test_fsdp_labels.py", "test_trainer.py", "test_finalize.py",
+    "test_fsdp.py", "test_two_d.py", "test_two_d_moe.py", "test_deterministic_state.py",
+)  # fmt: skip
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable

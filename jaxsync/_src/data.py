@@ -11,6 +11,7 @@ from jax.sharding import PartitionSpec as P
 
 from .axes import AxisName, mesh_axes_size, normalize_axes
 from .consistency import check_agree
+from .step_checks import batch_rows
 
 PyTree = Any
 
@@ -37,8 +38,6 @@ def shard_batch(
         leaves disagree on their rows, or (first call) the processes pass
         different numbers of rows.
     """
-    from .step_checks import batch_rows
-
     axes = normalize_axes(axis_name)
     n = mesh_axes_size(mesh, axes, "jaxsync.shard_batch")
     rows = batch_rows(batch, "jaxsync.shard_batch", batch_axis)
@@ -110,3 +109,57 @@ def rows_kept(x: Any, mesh: Mesh, axes: tuple[str, ...], fn: str, path: Any = ()
             data=axes, want=want,
         )
     )  # fmt: skip
+
+
+def place_batch(batch: Any, mesh: Mesh, axes: tuple[str, ...], microbatches: int) -> Any:
+    """``batch`` sharded over the data axes ``axes`` for a step with ``microbatches``
+    (:meth:`TrainStep.place`): rows per device must split into the microbatches, and a
+    leaf :func:`rows_kept` keeps its own sharding. ``ShapeDtypeStruct`` leaves get the
+    sharding they would have."""
+    n = mesh_axes_size(mesh, axes, "TrainStep")
+    batch_rows(batch, "TrainStep")
+    kept = jax.tree_util.tree_map_with_path(
+        lambda path, x: rows_kept(x, mesh, axes, "TrainStep.place", path),
+        batch,
+    )
+    for (path, x), keep in zip(
+        jax.tree_util.tree_flatten_with_path(batch)[0], jax.tree.leaves(kept), strict=True
+    ):
+        rows = np.shape(x)[0] * (1 if keep else jax.process_count()) if np.ndim(x) else None
+        if rows is not None and microbatches > 1 and rows % (n * microbatches) == 0:
+            continue
+        if rows is not None and microbatches > 1 and rows % n == 0:
+            raise ValueError(
+                f"batch leaf {jax.tree_util.keystr(path)} has {rows} rows: {rows // n} per "
+                f"device over axis {axes} (size {n}), which `microbatches="
+                f"{microbatches}` does not divide. Use a global batch that is a "
+                f"multiple of {n * microbatches}."
+            )
+    if all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(batch)):
+        return _abstract_batch(batch, mesh, axes, kept)
+    if not any(jax.tree.leaves(kept)):
+        return shard_batch(batch, mesh, axis_name=axes)
+    rest = jax.tree.map(lambda x, keep: None if keep else x, batch, kept)
+    placed = shard_batch(rest, mesh, axis_name=axes)
+    return jax.tree.map(
+        lambda keep, x, p: x if keep else p, kept, batch, placed,
+        is_leaf=lambda v: v is None,
+    )  # fmt: skip
+
+
+def _abstract_batch(batch: Any, mesh: Mesh, axes: tuple[str, ...], kept: Any) -> Any:
+    """``ShapeDtypeStruct`` batch leaves with the sharding ``place`` would give them."""
+    n = mesh_axes_size(mesh, axes, "TrainStep.place")
+
+    def one(path: Any, x: jax.ShapeDtypeStruct, keep: bool) -> jax.ShapeDtypeStruct:
+        if keep:
+            return x
+        if not x.shape or x.shape[0] % n:
+            raise ValueError(
+                f"batch leaf {jax.tree_util.keystr(path)} has shape {x.shape}; its first axis "
+                f"must divide evenly over axis {axes} of size {n}."
+            )
+        spec = P(axes if len(axes) > 1 else axes[0], *(None,) * (len(x.shape) - 1))
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec))
+
+    return jax.tree_util.tree_map_with_path(one, batch, kept)

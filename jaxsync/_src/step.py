@@ -25,13 +25,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from .axes import mesh_axes_size
-from .data import rows_kept, shard_batch
+from .data import place_batch
 from .deterministic import Deterministic
 from .finalize import SyncRules
 from .fsdp import fully_shard
@@ -45,7 +43,6 @@ from .portable import signature
 from .spec_step import make_state, project, spec_layout, spec_master, spec_params
 from .step_body import Plan, per_device
 from .step_checks import (
-    batch_rows,
     check_deterministic_state,
     check_float_params,
     check_param_shardings,
@@ -248,35 +245,7 @@ class TrainStep:
         other axes (``P(("data", "expert"))``, for a model the compiler shards
         over ``"expert"``) keeps that sharding; see :func:`rows_kept`.
         """
-        n = mesh_axes_size(self.mesh, self.axis_name, "TrainStep")
-        batch_rows(batch, "TrainStep")
-        kept = jax.tree_util.tree_map_with_path(
-            lambda path, x: rows_kept(x, self.mesh, self.axis_name, "TrainStep.place", path),
-            batch,
-        )
-        for (path, x), keep in zip(
-            jax.tree_util.tree_flatten_with_path(batch)[0], jax.tree.leaves(kept), strict=True
-        ):
-            rows = np.shape(x)[0] * (1 if keep else jax.process_count()) if np.ndim(x) else None
-            if rows is not None and self.microbatches > 1 and rows % (n * self.microbatches) == 0:
-                continue
-            if rows is not None and self.microbatches > 1 and rows % n == 0:
-                raise ValueError(
-                    f"batch leaf {jax.tree_util.keystr(path)} has {rows} rows: {rows // n} per "
-                    f"device over axis {self.axis_name} (size {n}), which `microbatches="
-                    f"{self.microbatches}` does not divide. Use a global batch that is a "
-                    f"multiple of {n * self.microbatches}."
-                )
-        if all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(batch)):
-            return _abstract_batch(batch, self.mesh, self.axis_name, kept)
-        if not any(jax.tree.leaves(kept)):
-            return shard_batch(batch, self.mesh, axis_name=self.axis_name)
-        rest = jax.tree.map(lambda x, keep: None if keep else x, batch, kept)
-        placed = shard_batch(rest, self.mesh, axis_name=self.axis_name)
-        return jax.tree.map(
-            lambda keep, x, p: x if keep else p, kept, batch, placed,
-            is_leaf=lambda v: v is None,
-        )  # fmt: skip
+        return place_batch(batch, self.mesh, self.axis_name, self.microbatches)
 
     def _plan(self, state: Any, fn: str) -> Plan:
         if not isinstance(state, TrainState):
@@ -401,24 +370,6 @@ def _template(params: PyTree) -> PyTree:
 def _full_spec(spec: P, ndim: int) -> P:
     """``spec`` written out per dimension (``P()`` of a matrix is ``P(None, None)``)."""
     return P(*spec, *([None] * (ndim - len(spec))))
-
-
-def _abstract_batch(batch: PyTree, mesh: Mesh, axes: tuple[str, ...], kept: PyTree) -> PyTree:
-    """``ShapeDtypeStruct`` batch leaves with the sharding ``place`` would give them."""
-    n = mesh_axes_size(mesh, axes, "TrainStep.place")
-
-    def one(path: Any, x: jax.ShapeDtypeStruct, keep: bool) -> jax.ShapeDtypeStruct:
-        if keep:
-            return x
-        if not x.shape or x.shape[0] % n:
-            raise ValueError(
-                f"batch leaf {jax.tree_util.keystr(path)} has shape {x.shape}; its first axis "
-                f"must divide evenly over axis {axes} of size {n}."
-            )
-        spec = _full_spec(P(axes if len(axes) > 1 else axes[0]), len(x.shape))
-        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec))
-
-    return jax.tree_util.tree_map_with_path(one, batch, kept)
 
 
 def _distinct(tree: PyTree) -> PyTree:
