@@ -132,7 +132,7 @@ def plan_param(
     """
     entries = full_spec(spec, len(shape))
     used = {a for e in entries for a in spec_axes(e)}
-    spread = tuple(a for a in (compiler or {}) if a not in used)
+    spread = tuple(a for a, size in (compiler or {}).items() if a not in used and size > 1)
     m = math.prod((compiler or {})[a] for a in spread)
     free = [i for i, e in enumerate(entries) if e is None and (i > 0 or not layered)]
     free = [i for i in free if shape[i] > 1]
