@@ -11,6 +11,10 @@ modeled H100 schedule (bench_gpu, one run each):
   the compiler's tensor-parallel collectives: ZeRO 85.3 ms either way,
   temporaries 1232 -> 1035 MiB; FSDP 102.8 -> 102.7 ms, 1328 -> 1227 MiB.
 
+At 6.7B on that 2-D mesh the time is again the same either way (ZeRO 322.8 vs
+323.6 ms, FSDP 427.4 vs 428.4) and ZeRO still saves (2004 -> 1940 MiB), but FSDP
+holds 129 MiB more without it (2500 -> 2629): not a rule for every model.
+
 ZeRO on a 1-D mesh keeps it: 144.6 ms with it, 148.6 ms without. A choice
 made in ``XLA_FLAGS`` or passed to ``.compile(compiler_options=...)`` wins.
 """
