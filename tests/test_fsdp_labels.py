@@ -13,9 +13,7 @@ import numpy as np
 import optax
 import pytest
 from conftest import require_devices
-
-import jaxsync
-from tests.helpers import (
+from helpers import (
     make_batches,
     mlp_loss,
     mlp_params,
@@ -24,6 +22,8 @@ from tests.helpers import (
     scanned_loss,
     scanned_params,
 )
+
+import jaxsync
 
 RTOL, ATOL = 2e-6, 1e-6
 

@@ -11,6 +11,7 @@ from jax.sharding import PartitionSpec as P
 
 from .axes import AxisName, mesh_axes_size, normalize_axes
 from .consistency import check_agree
+from .specs import full_spec
 from .step_checks import batch_rows
 
 PyTree = Any
@@ -159,7 +160,7 @@ def _abstract_batch(batch: Any, mesh: Mesh, axes: tuple[str, ...], kept: Any) ->
                 f"batch leaf {jax.tree_util.keystr(path)} has shape {x.shape}; its first axis "
                 f"must divide evenly over axis {axes} of size {n}."
             )
-        spec = P(axes if len(axes) > 1 else axes[0], *(None,) * (len(x.shape) - 1))
+        spec = full_spec(P(axes if len(axes) > 1 else axes[0]), len(x.shape))
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec))
 
     return jax.tree_util.tree_map_with_path(one, batch, kept)

@@ -39,21 +39,9 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from .axes import to_varying
+from .specs import full_spec, spec_axes
 
 PyTree = Any
-
-
-def spec_axes(entry: Any) -> tuple[str, ...]:
-    """The mesh axes of one ``PartitionSpec`` entry."""
-    if entry is None:
-        return ()
-    return tuple(entry) if isinstance(entry, tuple) else (entry,)
-
-
-def full_spec(spec: P | None, ndim: int) -> tuple[Any, ...]:
-    """``spec`` written out per dimension."""
-    entries = tuple(spec or ())
-    return entries + (None,) * (ndim - len(entries))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,8 +118,8 @@ def plan_param(
     spread); failing that one ``n`` divides (kept unspread: no padding); failing
     both, the largest, padded and spread.
     """
-    entries = full_spec(spec, len(shape))
-    used = {a for e in entries for a in spec_axes(e)}
+    entries = tuple(full_spec(spec, len(shape)))
+    used = set(spec_axes(P(*entries)))
     spread = tuple(a for a, size in (compiler or {}).items() if a not in used and size > 1)
     m = math.prod((compiler or {})[a] for a in spread)
     free = [i for i, e in enumerate(entries) if e is None and (i > 0 or not layered)]
@@ -181,7 +169,7 @@ def on_blocks(
     ``spread`` axes are manual too; the input (``in_cut``) and the output
     (``out_cut``) are cut over them on ``dim``, else whole.
     """
-    axes = {a for e in plan.spec for a in spec_axes(e)} | set(plan.spread)
+    axes = set(spec_axes(P(*plan.spec))) | set(plan.spread)
     if not axes:
         return fn(x)
     spec = P(*plan.spec)

@@ -38,7 +38,7 @@ from .fsdp_unit import assign_units
 from .names import group_of, param_name
 from .optimizer_state import StepMetrics
 from .portable import buffer_name, convert, slot_names
-from .spec_step import SpecLayout, SpecZeroState
+from .spec_step import SpecLayout, SpecZeroState, specs_by_param
 from .train_state import GuardState
 
 PyTree = Any
@@ -89,16 +89,11 @@ def _treedef(layout: SpecLayout) -> Any:
 def _shardings(tree: PyTree, layout: SpecLayout, mesh: Mesh) -> PyTree:
     """Per-param arrays (a leaf whose path ends in a param's name, of its whole
     shape) sharded like the param over the non-data axes; the rest replicated."""
-    plans = _plans(layout)
-
-    def one(path: Any, x: Any) -> NamedSharding:
-        name = param_name(path)
-        for k, p in plans.items():
-            if (name == k or name.endswith("." + k)) and tuple(x.shape) == p.shape:
-                return NamedSharding(mesh, P(*p.spec))
-        return NamedSharding(mesh, P())
-
-    return jax.tree_util.tree_map_with_path(one, tree)
+    named = {p.name: (p.shape, P(*p.spec)) for p in layout.leaves()}
+    return jax.tree.map(
+        lambda s: NamedSharding(mesh, s), specs_by_param(tree, named),
+        is_leaf=lambda s: isinstance(s, P),
+    )  # fmt: skip
 
 
 def _abstract(tree: PyTree, shardings: PyTree) -> PyTree:

@@ -32,11 +32,12 @@ from jax.sharding import PartitionSpec as P
 
 from .axes import mesh_axes_size, to_varying, varying_axes
 from .dim_views import DimStack, DimSync, DimTapSpec, defers, gather_params
-from .dims import DimPlan, gather, pad, plan_param, reduce, spec_axes, unpad
+from .dims import DimPlan, gather, pad, plan_param, reduce, unpad
 from .fsdp_grad import check_microbatches
 from .loss_scale import init_loss_scale
 from .names import group_of, param_name
 from .optimizer_state import initial_metrics
+from .specs import entry_axes, full_spec, keep_axes
 from .step_checks import labeled_tx
 from .tap_rules import check_taps
 from .train_state import GuardState, TrainState, global_stats
@@ -57,7 +58,7 @@ def compiler_axes(params: PyTree, data: tuple[str, ...]) -> tuple[str, ...]:
     for x in jax.tree.leaves(params):
         spec = getattr(getattr(x, "sharding", None), "spec", None)
         for entry in spec or ():
-            for a in spec_axes(entry):
+            for a in entry_axes(entry):
                 if a not in data:
                     found[a] = None
     return tuple(found)
@@ -65,21 +66,13 @@ def compiler_axes(params: PyTree, data: tuple[str, ...]) -> tuple[str, ...]:
 
 def param_spec(x: Any, data: tuple[str, ...]) -> P:
     """A param's spec without the data axes (the step replicates it over those)."""
-    spec = getattr(getattr(x, "sharding", None), "spec", None) or P()
-    entries = []
-    for entry in tuple(spec) + (None,) * (len(x.shape) - len(spec)):
-        kept = tuple(a for a in spec_axes(entry) if a not in data)
-        entries.append(None if not kept else kept[0] if len(kept) == 1 else kept)
-    return P(*entries)
+    spec = getattr(getattr(x, "sharding", None), "spec", None)
+    return keep_axes(full_spec(spec, len(x.shape)), lambda a: a not in data)
 
 
 def project(spec: P, manual: frozenset[str]) -> P:
     """``spec`` over the manual axes only (what ``shard_map``'s specs may name)."""
-    entries = []
-    for entry in spec:
-        kept = tuple(a for a in spec_axes(entry) if a in manual)
-        entries.append(None if not kept else kept[0] if len(kept) == 1 else kept)
-    return P(*entries)
+    return keep_axes(spec, lambda a: a in manual)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -176,22 +169,25 @@ def _state_specs(tx: Any, params: PyTree, specs: PyTree) -> PyTree:
     (``optax.tree_map_params`` cannot see through a ``multi_transform`` with a
     fixed labels tree: it inits on one placeholder.)
     """
-    by_name = {}
-    for (path, x), spec in zip(
-        jax.tree_util.tree_flatten_with_path(params)[0],
-        jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, P)),
-        strict=True,
-    ):
-        by_name[param_name(path)] = (tuple(x.shape), spec)
+    flat = jax.tree_util.tree_flatten_with_path(params)[0]
+    specs_ = jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, P))
+    named = {param_name(path): (x.shape, s) for (path, x), s in zip(flat, specs_, strict=True)}
+    return specs_by_param(jax.eval_shape(tx.init, params), named)
+
+
+def specs_by_param(tree: PyTree, named: Mapping[str, tuple[tuple[int, ...], P]]) -> PyTree:
+    """Each leaf of ``tree`` (an optax state, or a portable form of it) with the spec of
+    the param whose name ends its path and whose shape it has; ``P()`` otherwise.
+    ``named``: ``{param name: (shape, spec)}``."""
 
     def one(path: Any, x: Any) -> P:
         name = param_name(path)
-        for k, (shape, spec) in by_name.items():
-            if (name == k or name.endswith("." + k)) and tuple(x.shape) == shape:
+        for k, (shape, spec) in named.items():
+            if (name == k or name.endswith("." + k)) and tuple(x.shape) == tuple(shape):
                 return spec
         return P()
 
-    return jax.tree_util.tree_map_with_path(one, jax.eval_shape(tx.init, params))
+    return jax.tree_util.tree_map_with_path(one, tree)
 
 
 # ------------------------------------------------------------------ the step

@@ -29,13 +29,31 @@ def param_specs_of(params: PyTree, param_specs: PyTree = None) -> PyTree:
     )
 
 
+def entry_axes(entry: Any) -> tuple[str, ...]:
+    """The mesh axes of one ``PartitionSpec`` entry (None, a name or a tuple)."""
+    if entry is None:
+        return ()
+    return tuple(entry) if isinstance(entry, tuple) else (entry,)
+
+
 def spec_axes(spec: P) -> tuple[str, ...]:
-    out = []
+    """Every mesh axis ``spec`` names, sorted."""
+    return tuple(sorted(a for entry in spec for a in entry_axes(entry)))
+
+
+def full_spec(spec: P | None, ndim: int) -> P:
+    """``spec`` written out per dimension (``P()`` of a matrix is ``P(None, None)``)."""
+    entries = tuple(spec or ())
+    return P(*entries, *(None,) * (ndim - len(entries)))
+
+
+def keep_axes(spec: P, keep: Any) -> P:
+    """``spec`` naming only the axes ``keep(axis)`` accepts."""
+    entries = []
     for entry in spec:
-        if entry is None:
-            continue
-        out.extend((entry,) if isinstance(entry, str) else entry)
-    return tuple(sorted(out))
+        kept = tuple(a for a in entry_axes(entry) if keep(a))
+        entries.append(None if not kept else kept[0] if len(kept) == 1 else kept)
+    return P(*entries)
 
 
 def local_shape(shape: tuple[int, ...], spec: P, mesh: Mesh) -> tuple[int, ...]:

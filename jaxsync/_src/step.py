@@ -41,6 +41,7 @@ from .optimizer import distributed_optimizer
 from .optimizer_state import initial_metrics
 from .portable import signature
 from .spec_step import make_state, project, spec_layout, spec_master, spec_params
+from .specs import full_spec
 from .step_body import Plan, per_device
 from .step_checks import (
     check_deterministic_state,
@@ -133,7 +134,7 @@ class TrainStep:
         plan = built["plan"]
         state = jax.tree.map(
             lambda x, spec: jax.ShapeDtypeStruct(
-                x.shape, x.dtype, sharding=NamedSharding(self.mesh, _full_spec(spec, x.ndim))
+                x.shape, x.dtype, sharding=NamedSharding(self.mesh, full_spec(spec, x.ndim))
             ),
             shapes, plan.specs,
         )  # fmt: skip
@@ -367,11 +368,6 @@ def _template(params: PyTree) -> PyTree:
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
 
 
-def _full_spec(spec: P, ndim: int) -> P:
-    """``spec`` written out per dimension (``P()`` of a matrix is ``P(None, None)``)."""
-    return P(*spec, *([None] * (ndim - len(spec))))
-
-
 def _distinct(tree: PyTree) -> PyTree:
     """``tree`` as the step returns it: specs written out per dimension (``P()`` of
     a matrix is ``P(None, None)``, else the second call would compile again), and
@@ -382,7 +378,7 @@ def _distinct(tree: PyTree) -> PyTree:
     def one(x: jax.Array) -> jax.Array:
         spec = x.sharding.spec
         if len(spec) < x.ndim:
-            x = jax.device_put(x, NamedSharding(x.sharding.mesh, _full_spec(spec, x.ndim)))
+            x = jax.device_put(x, NamedSharding(x.sharding.mesh, full_spec(spec, x.ndim)))
         ptrs = {s.data.unsafe_buffer_pointer() for s in x.addressable_shards}
         if ptrs & seen:
             x = jax.device_put(x, x.sharding, may_alias=False)

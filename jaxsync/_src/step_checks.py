@@ -18,8 +18,8 @@ import numpy as np
 
 from .axes import varying_axes
 from .consistency import check_agree, describe_value, param_values, structure
-from .dims import spec_axes
 from .names import param_name
+from .specs import entry_axes
 
 PyTree = Any
 
@@ -177,7 +177,7 @@ def check_param_shardings(params: PyTree, cfg: Any, fn: str) -> None:
         if spec is None:
             continue
         name, shape = param_name(path), tuple(np.shape(x))
-        named = [a for entry in spec for a in spec_axes(entry)]
+        named = [a for entry in spec for a in entry_axes(entry)]
         ours = tuple(a for a in data if a in named)
         if ours and len(ours) < len(data):
             rest = tuple(a for a in data if a not in ours)
