@@ -11,7 +11,7 @@ from jax.sharding import PartitionSpec as P
 
 from .axes import AxisName, mesh_axes_size, normalize_axes
 from .consistency import check_agree
-from .specs import full_spec
+from .specs import entry_axes, full_spec
 from .step_checks import batch_rows
 
 PyTree = Any
@@ -93,7 +93,7 @@ def rows_kept(x: Any, mesh: Mesh, axes: tuple[str, ...], fn: str, path: Any = ()
     if not isinstance(sharding, NamedSharding) or not sharding.spec:
         return False
     spec = sharding.spec
-    rows = spec[0] if isinstance(spec[0], tuple) else () if spec[0] is None else (spec[0],)
+    rows = entry_axes(spec[0])
     if all(a in axes for a in rows):
         return False
     same = sharding.mesh.shape_tuple == mesh.shape_tuple and (
