@@ -156,7 +156,10 @@ _NO_PLUGIN = (
 
 def gpu_target_available() -> bool:
     """Whether the CUDA plugin that compile-only GPU meshes need is installed."""
-    return importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
+    try:  # jax[cuda12] or jax[cuda13]; no jax_plugins package at all raises
+        return any(importlib.util.find_spec(f"jax_plugins.xla_cuda{v}") for v in (12, 13))
+    except ModuleNotFoundError:
+        return False
 
 
 def gpu_topology(

@@ -229,10 +229,15 @@ def signature(tree: PyTree) -> tuple[Any, ...]:
 
     def spec(x: Any) -> tuple[tuple[str, ...], ...]:
         # As param_specs_of reads it (no NamedSharding means P()), normalised per
-        # dimension, so P() and P(None, None) are the same.
+        # dimension, so P() and P(None, None) are the same; an axis of size 1
+        # splits nothing (XLA returns P() for P("data") on a 1-GPU mesh).
         sharding = getattr(x, "sharding", None)
-        spec = sharding.spec if isinstance(sharding, NamedSharding) else P()
-        return tuple(_entries(spec, len(x.shape)))
+        if not isinstance(sharding, NamedSharding):
+            return tuple(_entries(P(), len(x.shape)))
+        sizes = sharding.mesh.shape
+        return tuple(
+            tuple(a for a in axes if sizes[a] > 1) for axes in _entries(sharding.spec, len(x.shape))
+        )
 
     return (treedef, tuple((tuple(x.shape), str(x.dtype), spec(x)) for x in leaves))
 

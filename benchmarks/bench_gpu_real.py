@@ -1,0 +1,227 @@
+"""Measured step times on this machine's GPUs, beside XLA's model of the same program.
+
+    python benchmarks/bench_gpu_real.py --size 1b     # on a machine with NVIDIA GPUs
+    python benchmarks/bench_gpu_real.py --quick       # a small model (smoke run)
+
+``bench_gpu.py`` prices steps for GPU clusters that nobody here has, from XLA's
+latency-hiding scheduler (and jaxsync's roofline for the computations it skips).
+This script checks that pricing where GPUs are at hand. Each method of
+``bench_gpu`` (same GPT, same AdamW + clipping, same shardings) runs in its own
+process on a mesh of the local GPUs and is:
+
+- compiled for the real devices with :data:`jaxsync.SCHEDULE_OPTIONS` (cuBLAS
+  matmuls, the scheduler's dump on); the table gives that executable's modeled
+  step (``model ms``) and its measured one (``measured ms``: the mean of
+  ``--steps`` steps dispatched back to back, best of 3 rounds, after 2 warm-ups);
+- compiled again with XLA's defaults (autotuned Triton matmuls), what a user
+  runs (``defaults ms``);
+- compiled for a compile-only mesh of the same size from jaxsync's own target
+  config (:func:`jaxsync.gpu_topology`, ``--target``): the figure ``bench_gpu``
+  would print for this mesh (``target ms``).
+
+Memory: the allocator's peak over the process (``peak MiB``: state, batch and
+the step's temporaries, and whatever building the state needed) against XLA's
+``arguments + temporaries`` of the executable (``model MiB``).
+
+One GPU checks the compute side of the model only: a 1-device program has no
+collectives, so no communication is priced or measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+_platforms = os.environ.get("JAX_PLATFORMS")
+import bench_gpu  # noqa: E402  (sets JAX_PLATFORMS=cpu for its compile-only runs)
+import bench_scan as model  # noqa: E402
+
+if _platforms is None:  # this script runs on the GPUs, and so do its children
+    os.environ.pop("JAX_PLATFORMS", None)
+
+import jaxsync  # noqa: E402
+from jaxsync._src.schedule import read_schedule  # noqa: E402  (one compile for both)
+
+METHODS = ("replicated", "gspmd_zero1", "gspmd_fsdp", "jaxsync_ddp", "jaxsync_zero",
+           "jaxsync_zero_bf16rs", "jaxsync_fsdp", "jaxsync_fsdp_keep")  # fmt: skip
+
+
+def config(size: str) -> tuple[model.Config, int]:
+    d, heads, layers, seq, vocab, rows = bench_gpu.SIZES[size]
+    cfg = model.Config(vocab=vocab, seq=seq, d_model=d, heads=heads, layers=layers,
+                       batch_per_device=rows)  # fmt: skip
+    return cfg, rows
+
+
+def cases(cfg, mesh, tokens) -> dict:
+    both = bench_gpu.baselines(cfg, mesh, tokens) + bench_gpu.jaxsync_cases(cfg, mesh, tokens)
+    return {c.name: c for c in both}
+
+
+def real_state(name: str, case, cfg, mesh) -> object:
+    """The method's state from one set of initial params, placed as the step expects."""
+    params = model.device_params(cfg)
+    opt = bench_gpu.clipped()
+    if name.startswith("jaxsync"):  # init places it (and keys its plan by the placement)
+        dtype = jax.tree.leaves(case.args[0].params)[0].dtype
+        shapes = bench_gpu.with_tp(mesh)(model.cast(params, dtype))
+        return case.fn.init(jax.device_put(model.cast(params, dtype),
+                                           jax.tree.map(lambda x: x.sharding, shapes)))  # fmt: skip
+    if name == "gspmd_zero1":
+        state = (model.cast(params, jnp.bfloat16), params, opt.init(params))
+    else:  # replicated, gspmd_fsdp
+        state = (params, opt.init(params))
+    want = case.args[0]
+    if jax.tree.map(lambda x: x.shape, state) != jax.tree.map(lambda x: x.shape, want):
+        raise ValueError(f"{name}: the state built here is not the one the step takes")
+    return jax.device_put(state, jax.tree.map(lambda w: w.sharding, want))
+
+
+def compile_modeled(lowered, gpu: str):
+    """The executable compiled with the schedule dump on, and XLA's model of it."""
+    with tempfile.TemporaryDirectory() as d:
+        compiled = lowered.compile(compiler_options={**jaxsync.SCHEDULE_OPTIONS, "xla_dump_to": d})
+        files = sorted(glob.glob(os.path.join(d, "*.schedule.txt")), key=os.path.getmtime)
+        if not files:  # not a GPU program: nothing modeled
+            return compiled, None
+        with open(files[-1]) as f:
+            report = read_schedule(f.read(), compiled.memory_analysis(), jaxsync.GPUS[gpu])
+    return compiled, report
+
+
+def time_steps(fn, state, batch, steps: int) -> tuple[float, object]:
+    """Mean ms per step, best of 3 rounds of ``steps`` back-to-back steps."""
+    for _ in range(2):
+        state, loss = fn(state, batch)
+    jax.block_until_ready((state, loss))
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            state, loss = fn(state, batch)
+        jax.block_until_ready((state, loss))
+        best = min(best, (time.perf_counter() - t0) / steps * 1e3)
+    return best, state
+
+
+def one(name: str, size: str, steps: int, gpu: str, target: str) -> dict:
+    cfg, rows = config(size)
+    devices = jax.devices()
+    mesh = Mesh(np.asarray(devices), (bench_gpu.AXIS,))  # Auto axes, as gpu_topology's
+    n = mesh.size
+    tokens_shape = (n * rows, cfg.seq + 1)
+    case = cases(cfg, mesh, tokens_shape)[name]
+    tokens = jax.device_put(
+        jax.random.randint(jax.random.PRNGKey(1), tokens_shape, 0, cfg.vocab, jnp.int32),
+        NamedSharding(mesh, P(bench_gpu.AXIS)),
+    )
+    state = real_state(name, case, cfg, mesh)
+    out = {"method": name, "devices": n, "device": devices[0].device_kind}
+
+    t0 = time.perf_counter()
+    modeled_fn, report = compile_modeled(case.fn.lower(state, tokens), gpu)
+    out["compile_s"] = time.perf_counter() - t0
+    out["measured_ms"], state = time_steps(modeled_fn, state, tokens, steps)
+    if report is not None:
+        out["model_ms"] = report.step_us / 1e3
+        out["roofline_ms"] = report.roofline_us / 1e3
+        out["model_mib"] = (report.memory["arguments"] + report.memory["temps"]) / 2**20
+    default_fn = case.fn.lower(state, tokens).compile()
+    out["defaults_ms"], state = time_steps(default_fn, state, tokens, steps)
+    stats = devices[0].memory_stats() or {}
+    out["peak_mib"] = stats.get("peak_bytes_in_use", 0) / 2**20
+    del state
+    if target and jaxsync.gpu_target_available():
+        try:
+            tmesh = jaxsync.gpu_topology(target, hosts=1, gpus_per_host=n)
+            tcase = cases(cfg, tmesh, tokens_shape)[name]
+            tr = jaxsync.schedule_report(tcase.fn.lower(*tcase.args))
+            out["target_ms"] = tr.step_us / 1e3
+            out["target_mib"] = (tr.memory["arguments"] + tr.memory["temps"]) / 2**20
+        except Exception as e:  # the twin is a cross-check; the measurement stands alone
+            out["target_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    flops = 6 * cfg_params(cfg) * tokens_shape[0] * cfg.seq / n
+    out["tflops"] = flops / (out["defaults_ms"] / 1e3) / 1e12
+    return out
+
+
+def cfg_params(cfg) -> int:
+    return sum(x.size for x in jax.tree.leaves(jax.eval_shape(lambda: model.device_params(cfg))))
+
+
+def table(rows: list[dict]) -> str:
+    head = ["method", "measured ms", "model ms", "model / measured", "of it roofline ms",
+            "target ms", "defaults ms", "6ND TFLOP/s", "peak MiB", "model MiB",
+            "target MiB", "compile s"]  # fmt: skip
+
+    def f(r, k, fmt="{:.2f}"):
+        return fmt.format(r[k]) if k in r else "-"
+
+    body = []
+    for r in rows:
+        ratio = f"{r['model_ms'] / r['measured_ms']:.2f}" if "model_ms" in r else "-"
+        body.append([r["method"], f(r, "measured_ms"), f(r, "model_ms"), ratio,
+                     f(r, "roofline_ms"), f(r, "target_ms"), f(r, "defaults_ms"),
+                     f(r, "tflops", "{:.0f}"), f(r, "peak_mib", "{:.0f}"),
+                     f(r, "model_mib", "{:.0f}"), f(r, "target_mib", "{:.0f}"),
+                     f(r, "compile_s", "{:.0f}")])  # fmt: skip
+    return model.fmt_table(head, body, 1)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--size", choices=sorted(bench_gpu.SIZES), default="1b")
+    ap.add_argument("--quick", action="store_true", help="--size quick")
+    ap.add_argument("--only", default="", help="comma-separated method names")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--gpu", default="h200", choices=sorted(jaxsync.GPUS),
+                    help="the local GPU's jaxsync.GpuSpec (the roofline's peaks)")  # fmt: skip
+    ap.add_argument("--target", default="h200", help="compile-only twin ('' to skip)")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--out", default="", help="also write the table (markdown) here")
+    args = ap.parse_args()
+    size = "quick" if args.quick else args.size
+    names = args.only.split(",") if args.only else list(METHODS)
+    if args.child:
+        print(json.dumps(one(names[0], size, args.steps, args.gpu, args.target)), flush=True)
+        return
+    rows = []
+    for name in names:  # a process each: a clean allocator peak, nothing left over
+        cmd = [sys.executable, __file__, "--child", "--size", size, "--only", name,
+               "--steps", str(args.steps), "--gpu", args.gpu, "--target", args.target]  # fmt: skip
+        res = subprocess.run(cmd, capture_output=True, text=True)
+        last = (res.stdout.strip().splitlines() or [""])[-1]
+        if res.returncode != 0 or not last.startswith("{"):
+            print(f"{name}: failed\n{res.stderr[-3000:]}", flush=True)
+            continue
+        rows.append(json.loads(last))
+        print(f"  {name}: {rows[-1]['measured_ms']:.2f} ms measured "
+              f"{rows[-1].get('target_error', '')}", flush=True)  # fmt: skip
+    if not rows:
+        sys.exit(1)
+    cfg, _ = config(size)
+    title = (f"{rows[0]['devices']} x {rows[0]['device']}, GPT d={cfg.d_model} L={cfg.layers} "
+             f"seq={cfg.seq} vocab={cfg.vocab}, {cfg_params(cfg) / 1e9:.2f}B params, "
+             f"{cfg.batch_per_device} rows/GPU; jax {jax.__version__}")  # fmt: skip
+    text = f"{title}\n\n{table(rows)}\n"
+    print("\n" + text, flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+
+
+if __name__ == "__main__":
+    main()
