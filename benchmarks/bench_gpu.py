@@ -23,6 +23,7 @@ bf16 compute. Every method runs AdamW with clipping at global norm 1.0:
   jaxsync_zero_bf16rs  the same with ``reduce_dtype=bf16`` (gradients reduced in bf16,
                as GSPMD does)
   jaxsync_fsdp ``train_step(mode="fsdp", stacked="blocks")``, bf16 compute policy
+  jaxsync_fsdp_bf16rs  the same with the policy's ``reduce_dtype=bf16``
   jaxsync_fsdp_keep  the same, the layer body's remat keeping each gathered layer
                (``save_only_these_names("jaxsync_gathered_layer")``): one gather per
                layer per step, in the forward; ZeRO-1's param memory during the step,
@@ -225,12 +226,14 @@ def baselines(cfg, mesh, tokens) -> list[Case]:
 def jaxsync_cases(cfg, mesh, tokens) -> list[Case]:
     batch = jax.ShapeDtypeStruct(tokens, jnp.int32)
     policy = jaxsync.MixedPrecision(param_dtype=BF16)
+    bf16rs = jaxsync.MixedPrecision(param_dtype=BF16, reduce_dtype=BF16)
     keep = jax.checkpoint_policies.save_only_these_names("jaxsync_gathered_layer")
     variants = [  # name, mode, param dtype, options, remat policy
         ("jaxsync_ddp", "ddp", F32, {}, None),
         ("jaxsync_zero", "zero", BF16, {}, None),
         ("jaxsync_zero_bf16rs", "zero", BF16, {"reduce_dtype": BF16}, None),
         ("jaxsync_fsdp", "fsdp", F32, {"policy": policy}, None),
+        ("jaxsync_fsdp_bf16rs", "fsdp", F32, {"policy": bf16rs}, None),
         ("jaxsync_fsdp_keep", "fsdp", F32, {"policy": policy}, keep),
     ]
     out = []
@@ -256,7 +259,7 @@ def ring_bytes(report: jaxsync.ScheduleReport, n: int) -> float:
 
 REFERENCE = {"jaxsync_ddp": "replicated", "jaxsync_zero": "gspmd_zero1",
              "jaxsync_zero_bf16rs": "gspmd_zero1", "jaxsync_fsdp": "gspmd_fsdp",
-             "jaxsync_fsdp_keep": "gspmd_fsdp"}  # fmt: skip
+             "jaxsync_fsdp_bf16rs": "gspmd_fsdp", "jaxsync_fsdp_keep": "gspmd_fsdp"}  # fmt: skip
 
 
 def main() -> None:

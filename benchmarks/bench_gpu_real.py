@@ -24,7 +24,9 @@ the step's temporaries, and whatever building the state needed) against XLA's
 ``arguments + temporaries`` of the executable (``model MiB``).
 
 One GPU checks the compute side of the model only: a 1-device program has no
-collectives, so no communication is priced or measured.
+collectives, so no communication is priced or measured. So far this script has
+run here on CPU devices only (no GPU was lent to its author): the measured
+columns work there, the modeled ones need a GPU.
 """
 
 from __future__ import annotations

@@ -116,6 +116,37 @@ def test_gpt_on_data_and_model_axes(mode):
         assert report.in_loop("all-gather", role="forward"), report.summary()
 
 
+@pytest.mark.parametrize("mode", ["zero", "ddp"])
+def test_microbatches_reduce_once_per_step(mode):
+    """ddp/zero with 3 microbatches: the first two sum local gradients with no data
+    reduction, the last one's taps add them before reducing, so the step sends the
+    data-axis bytes of one microbatch and equals the 1-microbatch step."""
+    mesh = mesh_2d()
+    params = gpt_params(jax.random.key(0))
+    tokens, targets = gpt_batches(jax.random.key(1), 1, 24)
+    batch = (tokens[0], targets[0])
+    got, sent = {}, {}
+    for k in (1, 3):
+        step = jaxsync.train_step(
+            gpt_loss, optax.adam(1e-2), mesh, mode=mode, stacked="blocks", microbatches=k
+        )
+        state = step.init(placed(mesh, params))
+        report = jaxsync.overlap_report(step.lower(state, batch).compile())
+        # Reduce-scatters are the data axis's alone (the compiler's TP sums are all-reduces).
+        kinds = ("reduce-scatter",) if mode == "zero" else ("all-reduce", "reduce-scatter")
+        sent[k] = sum(c.bytes * c.trip_count for c in report if c.kind in kinds)
+        state, loss = step(state, batch)
+        got[k] = (step.params(state), float(loss))
+    if mode == "zero":
+        assert sent[3] == sent[1] > 0, sent
+    else:  # the TP all-reduces move the same bytes in 3 microbatches as in 1
+        assert sent[3] < 1.1 * sent[1], sent
+    np.testing.assert_allclose(got[3][1], got[1][1], rtol=1e-6)
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6), got[3][0], got[1][0]
+    )
+
+
 def test_fsdp_remat_policy_keeps_gathered_layers():
     """2-D FSDP names each gathered layer as 1-D FSDP does: a layer body remat'd with
     save_only_these_names("jaxsync_gathered_layer") gathers once (forward), the

@@ -62,24 +62,28 @@ def _varying_like(x: jax.Array, like: jax.Array) -> jax.Array:
 @functools.cache
 def _reduce_tap(group: str) -> Callable[..., Any]:
     """Identity on a layer's params whose backward reduces their gradient into the
-    sinks' cotangents (ZeRO/DDP in-loop sync), named for :mod:`tap_rules`."""
+    sinks' cotangents (ZeRO/DDP in-loop sync), named for :mod:`tap_rules`. With
+    ``acc`` (the layer's local gradients of the earlier microbatches, fp32) the
+    sum is added first, so a step reduces once however many microbatches it has."""
 
-    def impl(spec: tuple, params: list, sinks: list) -> list:
-        del spec, sinks
+    def impl(spec: tuple, params: list, sinks: list, acc: list | None) -> list:
+        del spec, sinks, acc
         return params
 
-    def fwd(spec: tuple, params: list, sinks: list) -> tuple[list, None]:
+    def fwd(spec: tuple, params: list, sinks: list, acc: list | None) -> tuple[list, Any]:
         del spec, sinks
-        return params, None
+        return params, acc
 
-    def bwd(spec: tuple, _: None, ct: list) -> tuple[None, list]:
-        # The sinks' types match what the reduction returns (spec_step._sink).
+    def bwd(spec: tuple, acc: list | None, ct: list) -> tuple[None, list, None]:
+        # The sinks' types match what the reduction returns (spec_body._sink).
         sync, plans = spec
+        if acc is not None:
+            ct = [g.astype(jnp.float32) + a for g, a in zip(ct, acc, strict=True)]
         return None, [
             deferred(g, sync) if defers(p, sync) else
             reduce(g, p, sync.axes, sync.reduce_dtype, sync.factor, sync.scatter)
             for g, p in zip(ct, plans, strict=True)
-        ]  # fmt: skip
+        ], None  # fmt: skip
 
     impl.__name__ = impl.__qualname__ = TAP_NAME.format(group=group)
     fn = jax.custom_vjp(impl, nondiff_argnums=(0,))
@@ -138,16 +142,17 @@ class DimTapSpec:
 class DimStack:
     """A stacked group as the model sees it in a 2-D step (``lax.scan`` slices it).
 
-    ZeRO/DDP: the stacked params and one sink per leaf (``[L, shard]``) whose
-    cotangent receives the reduced gradient; FSDP: the stacked shards only.
-    :func:`jaxsync.tap` on a layer's slice returns the layer's params.
+    ZeRO/DDP: the stacked params, one sink per leaf (``[L, shard]``) whose
+    cotangent receives the reduced gradient, and (the last microbatch of a step
+    with several) the earlier microbatches' local gradients; FSDP: the stacked
+    shards only. :func:`jaxsync.tap` on a layer's slice returns the layer's params.
     """
 
-    def __init__(self, params: Any, sinks: Any, spec: DimTapSpec):
-        self.params, self.sinks, self.spec = params, sinks, spec
+    def __init__(self, params: Any, sinks: Any, acc: Any, spec: DimTapSpec):
+        self.params, self.sinks, self.acc, self.spec = params, sinks, acc, spec
 
-    def tree_flatten(self) -> tuple[tuple[Any, Any], DimTapSpec]:
-        return (self.params, self.sinks), self.spec
+    def tree_flatten(self) -> tuple[tuple[Any, Any, Any], DimTapSpec]:
+        return (self.params, self.sinks, self.acc), self.spec
 
     @classmethod
     def tree_unflatten(cls, spec: DimTapSpec, children: Any) -> DimStack:
@@ -174,14 +179,15 @@ class DimStack:
             # gathered layer for the backward instead of gathering it again.
             out = [checkpoint_name(x, GATHERED) for x in _gather_tap(spec.group)(key, leaves)]
         else:
-            out = _reduce_tap(spec.group)(key, leaves, jax.tree.leaves(self.sinks))
+            acc = None if self.acc is None else jax.tree.leaves(self.acc)
+            out = _reduce_tap(spec.group)(key, leaves, jax.tree.leaves(self.sinks), acc)
         return jax.tree.unflatten(spec.treedef, out)
 
     def __getitem__(self, key: Any) -> Any:
         raise TypeError(_NOT_TAPPED.format(group=self.spec.group))
 
     def __getattr__(self, name: str) -> Any:
-        if name.startswith("__") or name in ("params", "sinks", "spec"):
+        if name.startswith("__") or name in ("params", "sinks", "acc", "spec"):
             raise AttributeError(name)
         raise TypeError(_NOT_TAPPED.format(group=self.spec.group))
 

@@ -14,8 +14,8 @@ optimizer over them, param by param along a free dimension (:mod:`dims`):
   its gradient reduce-scattered in the backward.
 
 Stacked groups are reduced (and, for FSDP, gathered) inside the backward scan
-by :func:`jaxsync.tap`, as on a 1-D mesh. Clipping, loss scaling and skipped
-steps are the same :func:`guarded_update` as the other modes.
+by :func:`jaxsync.tap`, as on a 1-D mesh (the step itself: :mod:`spec_body`).
+This module holds the plans, the state and its specs.
 """
 
 from __future__ import annotations
@@ -30,17 +30,14 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from .axes import mesh_axes_size, to_varying, varying_axes
-from .dim_views import DimStack, DimSync, DimTapSpec, defers, gather_params
-from .dims import DimPlan, gather, pad, plan_param, reduce, unpad
-from .fsdp_grad import check_microbatches
+from .axes import mesh_axes_size
+from .dims import DimPlan, pad, plan_param, unpad
 from .loss_scale import init_loss_scale
 from .names import group_of, param_name
 from .optimizer_state import initial_metrics
 from .specs import entry_axes, full_spec, keep_axes
 from .step_checks import labeled_tx
-from .tap_rules import check_taps
-from .train_state import GuardState, TrainState, global_stats
+from .train_state import GuardState, TrainState
 
 PyTree = Any
 
@@ -188,184 +185,6 @@ def specs_by_param(tree: PyTree, named: Mapping[str, tuple[tuple[int, ...], P]])
         return P()
 
     return jax.tree_util.tree_map_with_path(one, tree)
-
-
-# ------------------------------------------------------------------ the step
-
-
-def spec_body(cfg: Any, plan: Any, state: TrainState, batch: Any) -> tuple[TrainState, Any]:
-    """One 2-D step on this data rank's rows (inside the data-manual shard_map)."""
-    from .step_body import finish, loss_of, unscale
-
-    layout: SpecLayout = plan.dims
-    data, mode = layout.data, cfg.mode
-    n = jax.lax.axis_size(data)
-    fsdp, scatter = mode == "fsdp", mode != "ddp"
-    policy = cfg.policy
-    sync = DimSync(
-        axes=data,
-        reduce_dtype=jnp.dtype(
-            (policy.reduce_dtype if fsdp and policy is not None else cfg.reduce_dtype)
-            or jnp.float32
-        ).name,
-        factor=1.0 / (n * cfg.microbatches),
-        scatter=scatter,
-        compute_dtype=None if not (fsdp and policy is not None and policy.param_dtype)
-        else jnp.dtype(policy.param_dtype).name,
-        fsdp=fsdp,
-    )  # fmt: skip
-    loss = loss_of(cfg, plan, state)
-    plans = layout.leaves()
-    treedef = jax.tree.structure(layout.plans, is_leaf=lambda x: isinstance(x, DimPlan))
-    names = [p.name for p in plans]
-    groups = {g: [i for i, nm in enumerate(names) if group_of(nm, (g,))] for g in cfg.stacked}
-    in_group = {i for idx in groups.values() for i in idx}
-    free = [i for i in range(len(plans)) if i not in in_group]
-    leaves = treedef.flatten_up_to(state.params)
-
-    if fsdp:
-        # Per-device values, a param kept whole too: its gradient leaves the
-        # gather's backward unreduced (dims.defers) and is all-reduced below.
-        diff = {"leaves": [to_varying(x, data) for x in leaves]}
-    else:
-        varying = [to_varying(x, data) for x in leaves]
-        sinks = {g: [_sink(plans[i], varying[i], sync) for i in idx] for g, idx in groups.items()}
-        diff = {"free": [varying[i] for i in free], "sinks": sinks}
-
-    def view(diff: dict) -> PyTree:
-        out: list[Any] = [None] * len(plans)
-        if fsdp:
-            got = gather_params([diff["leaves"][i] for i in free], [plans[i] for i in free], sync)
-            for i, x in zip(free, got, strict=True):
-                out[i] = x
-        else:
-            for i, x in zip(free, diff["free"], strict=True):
-                out[i] = x
-        tree = jax.tree.unflatten(treedef, out)
-        for g, idx in groups.items():
-            sub = _group_subtree(layout.plans, g)
-            spec = DimTapSpec(
-                g, sync, tuple(plans[i].layer() for i in idx), jax.tree.structure(
-                    sub, is_leaf=lambda x: isinstance(x, DimPlan))
-            )  # fmt: skip
-            params_g = [diff["leaves"][i] if fsdp else varying[i] for i in idx]
-            sinks_g = None if fsdp else diff["sinks"][g]
-            stack = DimStack(jax.tree.unflatten(spec.treedef, params_g), sinks_g, spec)
-            tree = _put_group(tree, g, stack)
-        return tree
-
-    def f(diff: dict, b: Any) -> Any:
-        return loss(view(diff), b)
-
-    # Traced once, the taps checked on that jaxpr, then differentiated from it
-    # (as sync_value_and_grad does on a 1-D mesh).
-    closed, shape = jax.make_jaxpr(f, return_shape=True)(diff, _first(batch, cfg.microbatches))
-    if cfg.stacked:
-        check_taps(closed.jaxpr, tuple(groups), data, False)
-    out_tree = jax.tree.structure(shape)
-
-    def traced(diff: dict, b: Any) -> Any:
-        flat = jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *jax.tree.leaves((diff, b)))
-        return jax.tree.unflatten(out_tree, flat)
-
-    grad_fn = jax.value_and_grad(traced, has_aux=True)
-    if cfg.microbatches == 1:
-        (out, rest), g = grad_fn(diff, batch)
-    else:
-        check_microbatches(cfg.microbatches, batch)
-        mbs = jax.tree.map(lambda x: x.reshape(cfg.microbatches, -1, *x.shape[1:]), batch)
-
-        def one(acc: Any, mb: Any) -> Any:
-            (o, r), gi = grad_fn(diff, mb)
-            return jax.tree.map(jnp.add, acc, gi), (o, r)
-
-        # Each gradient is typed like its primal (varying over data, or not).
-        zero = jax.tree.map(
-            lambda x: to_varying(jnp.zeros(x.shape, _grad_dtype(x)), varying_axes(x)), diff
-        )
-        g, (outs, rests) = jax.lax.scan(one, zero, mbs)
-        out = jnp.mean(outs)
-        rest = jax.tree.map(lambda x: x[-1], rests)
-    grads: list[Any] = [None] * len(plans)
-    if fsdp:
-        grads = [
-            reduce(gi, p, data, sync.reduce_dtype, sync.factor, False) if defers(p, sync) else gi
-            for gi, p in zip(g["leaves"], plans, strict=True)
-        ]
-    else:
-        for i, gi in zip(free, g["free"], strict=True):
-            grads[i] = reduce(gi, plans[i], data, sync.reduce_dtype, sync.factor, scatter)
-        for grp, idx in groups.items():
-            for i, gi in zip(idx, g["sinks"][grp], strict=True):
-                if defers(plans[i], sync):  # all-reduced once for all layers
-                    gi = reduce(gi, plans[i], data, sync.reduce_dtype, sync.factor, False)
-                grads[i] = gi
-    dtypes = [jnp.float32 if scatter else jnp.dtype(p.dtype) for p in plans]
-    grads = [x.astype(d) for x, d in zip(grads, dtypes, strict=True)]
-    grads = unscale(jax.tree.unflatten(treedef, grads), state.loss_scale.scale)
-    stats = _stats(jax.tree.leaves(grads), plans, data, scatter)
-    if mode != "zero":
-        return finish(cfg, plan, state, grads, grads, stats, out, rest)
-    inner_state = state._replace(params=state.opt_state.master, opt_state=state.opt_state.inner)
-    new, mean = finish(cfg, plan, inner_state, grads, grads, stats, out, rest)
-    # Cast, then gather: a bf16 model's params travel in bf16, not as fp32 masters.
-    params = layout.map(
-        lambda p, m, old: gather(m.astype(old.dtype), p, data), new.params, state.params
-    )
-    return new._replace(params=params, opt_state=SpecZeroState(new.params, new.opt_state)), mean
-
-
-def _grad_dtype(x: Any) -> Any:
-    return x.dtype if jnp.issubdtype(x.dtype, jnp.floating) else jnp.float32
-
-
-def _first(batch: Any, microbatches: int) -> Any:
-    if microbatches == 1:
-        return batch
-    return jax.tree.map(lambda x: x[: x.shape[0] // microbatches], batch)
-
-
-def _sink(plan: DimPlan, x: jax.Array, sync: DimSync) -> jax.Array:
-    """Zeros shaped like the stacked gradient after the reduction (local over data;
-    a gradient :func:`dims.defers` is unreduced, per device)."""
-    shape = list(x.shape)
-    if sync.scatter and plan.dim is not None:
-        shape[plan.dim] = plan.padded // jax.lax.axis_size(sync.axes)
-    zeros = jnp.zeros(shape, sync.reduce_dtype)
-    return to_varying(zeros, sync.axes) if sync.scatter else zeros
-
-
-def _stats(grads: list, plans: list[DimPlan], data: tuple[str, ...], scatter: bool) -> Any:
-    """Global squared norm and zero count: shards summed over the data axes, whole
-    (all-reduced) gradients counted once; padding zeros left out."""
-    cut = [g for g, p in zip(grads, plans, strict=True) if scatter and p.dim is not None]
-    whole = [g for g, p in zip(grads, plans, strict=True) if not (scatter and p.dim is not None)]
-    padding = sum(p.padding for p in plans if scatter and p.dim is not None)
-    sq, zeros = jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32)
-    if cut:
-        s, z = global_stats(cut, data, padding)
-        sq, zeros = sq + s, zeros + z
-    if whole:
-        s, z = global_stats(whole)
-        sq, zeros = sq + s, zeros + z
-    return sq, zeros
-
-
-def _group_subtree(tree: PyTree, group: str) -> PyTree:
-    for key in group.split("."):
-        tree = tree[key]
-    return tree
-
-
-def _put_group(tree: PyTree, group: str, value: Any) -> PyTree:
-    keys = group.split(".")
-
-    def put(node: Any, i: int) -> Any:
-        node = dict(node)
-        node[keys[i]] = value if i == len(keys) - 1 else put(node[keys[i]], i + 1)
-        return node
-
-    return put(tree, 0)
 
 
 # ------------------------------------------------------------- the state API

@@ -45,7 +45,7 @@ class Plan:
 def per_device(cfg: Any, plan: Plan, state: TrainState, batch: Any) -> tuple[TrainState, Any]:
     """One step on this device's rows: ``(new state, loss averaged over devices)``."""
     if plan.dims is not None:
-        from .spec_step import spec_body
+        from .spec_body import spec_body
 
         return spec_body(cfg, plan, state, batch)
     body = {"zero": zero_body, "ddp": ddp_body, "fsdp": fsdp_body}[cfg.mode]
