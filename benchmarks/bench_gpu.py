@@ -104,11 +104,13 @@ def put(tree, sharding):
 
 
 #: Megatron's split of bench_scan's GPT over "model": column-parallel qkv, MLP up and
-#: head (their output dim), row-parallel attention out and MLP down (their input dim).
+#: head (their output dim), row-parallel attention out and MLP down (their input dim),
+#: and the vocab-parallel token embedding (its vocab dim: the compiler partitions the
+#: lookup, so no GPU holds the whole table or its whole gradient).
 TP_SPECS = {
     "wqkv": P(None, None, "model"), "wo": P(None, "model", None),
     "w_up": P(None, None, "model"), "b_up": P(None, "model"),
-    "w_down": P(None, "model", None), "w": P(None, "model"),
+    "w_down": P(None, "model", None), "w": P(None, "model"), "tok": P("model", None),
 }  # fmt: skip
 
 
