@@ -267,30 +267,26 @@ class TrainStep:
         data = axes if len(axes) > 1 else axes[0]
         donate = (0,) if self.donate else ()
         step = lambda state, batch: per_device(self, plan, state, batch)  # noqa: E731
-        is_spec = lambda x: isinstance(x, P)  # noqa: E731
-        # The jit pins the state's shardings on the way out: XLA would otherwise
-        # hand back P() for a shard over a size-1 axis (a 1-GPU mesh), a state
-        # whose signature matches no plan at the next call.
-        whole = jax.tree.map(lambda s: NamedSharding(self.mesh, s), plan.specs, is_leaf=is_spec)
-        out = (whole, NamedSharding(self.mesh, P()))
         if plan.dims is None:
             body = jax.shard_map(
                 step, mesh=self.mesh, in_specs=(plan.specs, P(data)), out_specs=(plan.specs, P())
             )
             return jax.jit(
-                body, out_shardings=out, donate_argnums=donate,
+                body, donate_argnums=donate,
                 compiler_options=step_compiler_options(self.mode, two_d=False),
             )  # fmt: skip
         # Manual over the data axes (and any axis no param uses); the compiler
         # partitions the rest, and the jit pins the state's whole shardings.
         manual = plan.dims.manual(self.mesh)
+        is_spec = lambda x: isinstance(x, P)  # noqa: E731
         local = jax.tree.map(lambda s: project(s, manual), plan.specs, is_leaf=is_spec)
         body = jax.shard_map(
             step, mesh=self.mesh, in_specs=(local, P(data)), out_specs=(local, P()),
             axis_names=manual,
         )  # fmt: skip
+        whole = jax.tree.map(lambda s: NamedSharding(self.mesh, s), plan.specs, is_leaf=is_spec)
         return jax.jit(
-            body, in_shardings=(whole, None), out_shardings=out,
+            body, in_shardings=(whole, None), out_shardings=(whole, NamedSharding(self.mesh, P())),
             donate_argnums=donate, compiler_options=step_compiler_options(self.mode, two_d=True),
         )  # fmt: skip
 
