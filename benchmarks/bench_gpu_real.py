@@ -32,12 +32,10 @@ columns work there, the modeled ones need a GPU.
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 
 import jax
@@ -55,7 +53,7 @@ if _platforms is None:  # this script runs on the GPUs, and so do its children
     os.environ.pop("JAX_PLATFORMS", None)
 
 import jaxsync  # noqa: E402
-from jaxsync._src.schedule import read_schedule  # noqa: E402  (one compile for both)
+from jaxsync._src.schedule import compile_scheduled  # noqa: E402  (one compile for both)
 
 METHODS = ("replicated", "gspmd_zero1", "gspmd_fsdp", "jaxsync_ddp", "jaxsync_zero",
            "jaxsync_zero_bf16rs", "jaxsync_fsdp", "jaxsync_fsdp_keep")  # fmt: skip
@@ -93,15 +91,11 @@ def real_state(name: str, case, cfg, mesh) -> object:
 
 
 def compile_modeled(lowered, gpu: str):
-    """The executable compiled with the schedule dump on, and XLA's model of it."""
-    with tempfile.TemporaryDirectory() as d:
-        compiled = lowered.compile(compiler_options={**jaxsync.SCHEDULE_OPTIONS, "xla_dump_to": d})
-        files = sorted(glob.glob(os.path.join(d, "*.schedule.txt")), key=os.path.getmtime)
-        if not files:  # not a GPU program: nothing modeled
-            return compiled, None
-        with open(files[-1]) as f:
-            report = read_schedule(f.read(), compiled.memory_analysis(), jaxsync.GPUS[gpu])
-    return compiled, report
+    """The executable compiled with the schedule dump on, and XLA's model of it (None
+    for a program that is not a GPU one: nothing is modeled there)."""
+    if jax.devices()[0].platform != "gpu":
+        return lowered.compile(), None
+    return compile_scheduled(lowered, gpu=gpu)
 
 
 def time_steps(fn, state, batch, steps: int) -> tuple[float, object]:

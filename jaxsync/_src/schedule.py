@@ -222,6 +222,18 @@ def schedule_report(
       >>> report = jaxsync.schedule_report(step.lower(state, batch))
       >>> print(report.step_us, report.exposed_us)
     """
+    return compile_scheduled(lowered, options=options, gpu=gpu, dump_dir=dump_dir)[1]
+
+
+def compile_scheduled(
+    lowered: Any,
+    *,
+    options: Mapping[str, Any] | None = None,
+    gpu: GpuSpec | str | None = None,
+    dump_dir: str | None = None,
+) -> tuple[Any, ScheduleReport]:
+    """:func:`schedule_report`, and the executable it modeled (to run it on real GPUs
+    and set its measured step beside the model: ``benchmarks/bench_gpu_real.py``)."""
     if not hasattr(lowered, "compile"):
         raise TypeError(
             "schedule_report needs a `jax.stages.Lowered` (jax.jit(f).lower(...) or "
@@ -239,7 +251,7 @@ def schedule_report(
             text = f.read()
         spec = _gpu(gpu, where)
     report = read_schedule(text, compiled.memory_analysis(), spec)
-    return dataclasses.replace(report, hlo_text=compiled.as_text())
+    return compiled, dataclasses.replace(report, hlo_text=compiled.as_text())
 
 
 def _compile(lowered: Any, options: dict[str, Any]) -> Any:

@@ -128,9 +128,7 @@ def spec_body(cfg: Any, plan: Any, state: TrainState, batch: Any) -> tuple[Train
             (o, r), gi = grad_fn(diff, None, mb)
             return jax.tree.map(jnp.add, total, gi), (o, r)
 
-        zero = jax.tree.map(
-            lambda x: to_varying(jnp.zeros(x.shape, _grad_dtype(x)), varying_axes(x)), diff
-        )
+        zero = jax.tree.map(lambda x: _zeros_like_grad(x, _grad_dtype(x)), diff)
         g, (outs, rests) = jax.lax.scan(one, zero, mbs)
         out = jnp.mean(outs)
         rest = jax.tree.map(lambda x: x[-1], rests)
@@ -175,9 +173,15 @@ def _local_sum(loss: Any, treedef: Any, params: list, mbs: Any) -> tuple[list, A
         (o, _), g = vg(params, mb)
         return [a + x.astype(jnp.float32) for a, x in zip(acc, g, strict=True)], o
 
-    zero = [to_varying(jnp.zeros(x.shape, jnp.float32), varying_axes(x)) for x in params]
+    zero = [_zeros_like_grad(x, jnp.float32) for x in params]
     acc, outs = jax.lax.scan(one, zero, mbs)
     return acc, jnp.mean(outs)
+
+
+def _zeros_like_grad(x: jax.Array, dtype: Any) -> jax.Array:
+    """A gradient accumulator's zeros: typed varying over ``x``'s axes, as its gradient
+    is (a scan's carry must keep one type)."""
+    return to_varying(jnp.zeros(x.shape, dtype), varying_axes(x))
 
 
 def _grad_dtype(x: Any) -> Any:
