@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .cpu_order import settle
 from .portable import param_name
 
 PyTree = Any
@@ -89,7 +90,8 @@ def tree_checksums(tree: PyTree) -> dict[str, str]:
             leaf = jax.random.key_data(leaf)
         elif not isinstance(leaf, jax.Array):
             leaf = np.asarray(leaf)
-        pending.append((param_name(path), _checksum_jit(leaf)))  # all dispatched first
+        # All dispatched first (on CPU meshes one at a time: cpu_order).
+        pending.append((param_name(path), settle(_checksum_jit(leaf))))
     out = {}
     for name, sums in pending:
         # Scalars are replicated on every device (and process): read one copy.

@@ -24,6 +24,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from . import layerwise
+from .cpu_order import settle
 from .layout import Layout
 from .loss_scale import LossScaleState
 from .names import param_name
@@ -275,7 +276,8 @@ def convert(fn: Any, args: Any, mesh: Mesh, out_shardings: Any, *, key: Any = No
             if len(_PROGRAMS) >= _MAX_PROGRAMS:
                 _PROGRAMS.pop(next(iter(_PROGRAMS)))
             _PROGRAMS[key] = jitted
-    return jax.tree.map(lambda x, s: jax.device_put(x, s), jitted(*args), out_shardings)
+    out = settle(jitted(*args))  # callers convert per label or slot: cpu_order
+    return jax.tree.map(lambda x, s: jax.device_put(x, s), out, out_shardings)
 
 
 def from_portable(
