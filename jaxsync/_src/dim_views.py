@@ -19,23 +19,11 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from .axes import to_varying, varying_axes
-from .dims import DimPlan, gather, reduce
+from .dims import DimPlan, DimSync, gather, reduce
 from .fsdp import GATHERED
 from .tap_rules import TAP_NAME
 
 PyTree = Any
-
-
-@dataclasses.dataclass(frozen=True)
-class DimSync:
-    """How a step reduces: ``scatter`` (ZeRO), all-reduce (DDP) or ``gather`` (FSDP)."""
-
-    axes: tuple[str, ...]
-    reduce_dtype: str
-    factor: float
-    scatter: bool
-    compute_dtype: str | None = None  # FSDP: the dtype the gathered param is used in
-    fsdp: bool = False
 
 
 def defers(plan: DimPlan, sync: DimSync) -> bool:
@@ -81,7 +69,7 @@ def _reduce_tap(group: str) -> Callable[..., Any]:
             ct = [g.astype(jnp.float32) + a for g, a in zip(ct, acc, strict=True)]
         return None, [
             deferred(g, sync) if defers(p, sync) else
-            reduce(g, p, sync.axes, sync.reduce_dtype, sync.factor, sync.scatter)
+            reduce(g, p, sync)
             for g, p in zip(ct, plans, strict=True)
         ], None  # fmt: skip
 
@@ -112,10 +100,7 @@ def _gather_tap(group: str) -> Callable[..., Any]:
         sync, plans = spec
         out = []
         for g, p, s in zip(ct, plans, like, strict=True):
-            if defers(p, sync):
-                r = deferred(g, sync)
-            else:
-                r = reduce(g, p, sync.axes, sync.reduce_dtype, sync.factor, True)
+            r = deferred(g, sync) if defers(p, sync) else reduce(g, p, sync, scatter=True)
             out.append(_varying_like(r, s))
         return (out,)
 

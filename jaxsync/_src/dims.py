@@ -45,6 +45,26 @@ PyTree = Any
 
 
 @dataclasses.dataclass(frozen=True)
+class DimSync:
+    """How a step reduces: ``scatter`` (ZeRO), all-reduce (DDP) or ``gather`` (FSDP).
+
+    ``wide_sums``: all-reduce a sub-fp32 gradient in fp32 and cast back. XLA:CPU
+    promotes such all-reduces itself, and its promotion aborts the process on a
+    partial-manual step's ``psum``, whose reduction ends in a sharding annotation
+    (jaxlib 0.10.2: "Invalid binary instruction opcode copy"); the sums are the
+    ones XLA:CPU would compute. GPU meshes all-reduce in the reduction dtype.
+    """
+
+    axes: tuple[str, ...]
+    reduce_dtype: str
+    factor: float
+    scatter: bool
+    compute_dtype: str | None = None  # FSDP: the dtype the gathered param is used in
+    fsdp: bool = False
+    wide_sums: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
 class DimPlan:
     """How one param is split over the data axes.
 
@@ -197,13 +217,20 @@ def _my_slice(x: jax.Array, plan: DimPlan, data: tuple[str, ...]) -> jax.Array:
     return mine.reshape(*x.shape[:d], -1, *x.shape[d + 1 :])
 
 
-def reduce(
-    g: jax.Array, plan: DimPlan, axes: tuple[str, ...], dtype: Any, factor: float, scatter: bool
-) -> jax.Array:
-    """This device's gradient summed over ``axes`` in ``dtype`` and scaled by ``factor``:
-    reduce-scattered along ``plan.dim`` (``scatter``), else all-reduced."""
+def reduce(g: jax.Array, plan: DimPlan, sync: DimSync, scatter: bool | None = None) -> jax.Array:
+    """This device's gradient summed over ``sync.axes`` in ``sync.reduce_dtype`` and scaled
+    by ``sync.factor``: reduce-scattered along ``plan.dim`` (``scatter``, by default
+    ``sync.scatter``), else all-reduced."""
+    axes, dtype, factor = sync.axes, sync.reduce_dtype, sync.factor
+    scatter = sync.scatter if scatter is None else scatter
     g = to_varying(g.astype(dtype), axes)
     d = plan.dim
+
+    def psum(x: jax.Array) -> jax.Array:
+        if sync.wide_sums and jnp.finfo(x.dtype).bits < 32:
+            return jax.lax.psum(x.astype(jnp.float32), axes).astype(x.dtype)
+        return jax.lax.psum(x, axes)
+
     if scatter and d is not None:
 
         def rs(b: jax.Array) -> jax.Array:
@@ -219,12 +246,12 @@ def reduce(
             b = jax.lax.dynamic_slice_in_dim(
                 b, jax.lax.axis_index(plan.spread) * (b.shape[d] // m), b.shape[d] // m, d
             )
-            b = jax.lax.psum(b, axes)
+            b = psum(b)
             return jax.lax.all_gather(b, plan.spread, axis=d, tiled=True, to="invarying")
 
         out = unpad(on_blocks(ar, pad(g, plan), plan), plan)
     else:
-        out = jax.lax.psum(g, axes)  # elementwise: XLA keeps the other axes' split
+        out = psum(g)  # elementwise: XLA keeps the other axes' split
     return out * jnp.asarray(factor, out.dtype) if factor != 1 else out
 
 

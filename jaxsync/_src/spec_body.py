@@ -22,8 +22,8 @@ import jax
 import jax.numpy as jnp
 
 from .axes import to_varying, varying_axes
-from .dim_views import DimStack, DimSync, DimTapSpec, defers, gather_params
-from .dims import DimPlan, gather, reduce
+from .dim_views import DimStack, DimTapSpec, defers, gather_params
+from .dims import DimPlan, DimSync, gather, reduce
 from .fsdp_grad import check_microbatches
 from .names import group_of
 from .spec_step import SpecLayout, SpecZeroState
@@ -54,6 +54,7 @@ def spec_body(cfg: Any, plan: Any, state: TrainState, batch: Any) -> tuple[Train
         compute_dtype=None if not (fsdp and policy is not None and policy.param_dtype)
         else jnp.dtype(policy.param_dtype).name,
         fsdp=fsdp,
+        wide_sums=cfg.mesh.devices.flat[0].platform == "cpu",
     )  # fmt: skip
     loss = loss_of(cfg, plan, state)
     plans = layout.leaves()
@@ -75,7 +76,8 @@ def spec_body(cfg: Any, plan: Any, state: TrainState, batch: Any) -> tuple[Train
     def view(diff: dict, acc: list | None) -> PyTree:
         out: list[Any] = [None] * len(plans)
         if fsdp:
-            got = gather_params([diff["leaves"][i] for i in free], [plans[i] for i in free], sync)
+            shards = [_early_cast(diff["leaves"][i], sync) for i in free]
+            got = gather_params(shards, [plans[i] for i in free], sync)
             for i, x in zip(free, got, strict=True):
                 out[i] = x
         else:
@@ -88,7 +90,7 @@ def spec_body(cfg: Any, plan: Any, state: TrainState, batch: Any) -> tuple[Train
                 g, sync, tuple(plans[i].layer() for i in idx), jax.tree.structure(
                     sub, is_leaf=lambda x: isinstance(x, DimPlan))
             )  # fmt: skip
-            params_g = [diff["leaves"][i] if fsdp else varying[i] for i in idx]
+            params_g = [_early_cast(diff["leaves"][i], sync) if fsdp else varying[i] for i in idx]
             sinks_g = None if fsdp else diff["sinks"][g]
             acc_g = None if acc is None else [acc[i] for i in idx]
             stack = DimStack(jax.tree.unflatten(spec.treedef, params_g), sinks_g, acc_g, spec)
@@ -135,18 +137,18 @@ def spec_body(cfg: Any, plan: Any, state: TrainState, batch: Any) -> tuple[Train
     grads: list[Any] = [None] * len(plans)
     if fsdp:
         grads = [
-            reduce(gi, p, data, sync.reduce_dtype, sync.factor, False) if defers(p, sync) else gi
+            reduce(gi, p, sync, scatter=False) if defers(p, sync) else gi
             for gi, p in zip(g["leaves"], plans, strict=True)
         ]
     else:
         for i, gi in zip(free, g["free"], strict=True):
             if acc is not None:
                 gi = gi.astype(jnp.float32) + acc[i]
-            grads[i] = reduce(gi, plans[i], data, sync.reduce_dtype, sync.factor, scatter)
+            grads[i] = reduce(gi, plans[i], sync)
         for grp, idx in groups.items():
             for i, gi in zip(idx, g["sinks"][grp], strict=True):
                 if defers(plans[i], sync):  # all-reduced once for all layers
-                    gi = reduce(gi, plans[i], data, sync.reduce_dtype, sync.factor, False)
+                    gi = reduce(gi, plans[i], sync, scatter=False)
                 grads[i] = gi
     dtypes = [jnp.float32 if scatter else jnp.dtype(p.dtype) for p in plans]
     grads = [x.astype(d) for x, d in zip(grads, dtypes, strict=True)]
@@ -176,6 +178,17 @@ def _local_sum(loss: Any, treedef: Any, params: list, mbs: Any) -> tuple[list, A
     zero = [_zeros_like_grad(x, jnp.float32) for x in params]
     acc, outs = jax.lax.scan(one, zero, mbs)
     return acc, jnp.mean(outs)
+
+
+def _early_cast(shard: jax.Array, sync: DimSync) -> jax.Array:
+    """An FSDP shard in the compute dtype before its gather tap, where the gradient is
+    reduced in that dtype too: the backward scan then stacks the layers' reduced
+    gradients in bf16, not fp32 (half the bytes, GSPMD's figure), and the forward
+    transposes bf16 shards for its gathers. Nothing is lost: the reduction's result is
+    bf16 already. With an fp32 reduction the cotangent stays fp32."""
+    if sync.compute_dtype is None or sync.reduce_dtype != sync.compute_dtype:
+        return shard
+    return shard.astype(sync.compute_dtype)
 
 
 def _zeros_like_grad(x: jax.Array, dtype: Any) -> jax.Array:
