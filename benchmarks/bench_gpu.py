@@ -232,6 +232,7 @@ def jaxsync_cases(cfg, mesh, tokens) -> list[Case]:
     keep = jax.checkpoint_policies.save_only_these_names("jaxsync_gathered_layer")
     variants = [  # name, mode, param dtype, options, remat policy
         ("jaxsync_ddp", "ddp", F32, {}, None),
+        ("jaxsync_ddp_bf16rs", "ddp", F32, {"reduce_dtype": BF16}, None),
         ("jaxsync_zero", "zero", BF16, {}, None),
         ("jaxsync_zero_bf16rs", "zero", BF16, {"reduce_dtype": BF16}, None),
         ("jaxsync_fsdp", "fsdp", F32, {"policy": policy}, None),
@@ -259,9 +260,10 @@ def ring_bytes(report: jaxsync.ScheduleReport, n: int) -> float:
     return sum(per.get(c.kind, lambda b: b)(c.bytes) * c.runs for c in report.collectives)
 
 
-REFERENCE = {"jaxsync_ddp": "replicated", "jaxsync_zero": "gspmd_zero1",
-             "jaxsync_zero_bf16rs": "gspmd_zero1", "jaxsync_fsdp": "gspmd_fsdp",
-             "jaxsync_fsdp_bf16rs": "gspmd_fsdp", "jaxsync_fsdp_keep": "gspmd_fsdp"}  # fmt: skip
+REFERENCE = {"jaxsync_ddp": "replicated", "jaxsync_ddp_bf16rs": "replicated",
+             "jaxsync_zero": "gspmd_zero1", "jaxsync_zero_bf16rs": "gspmd_zero1",
+             "jaxsync_fsdp": "gspmd_fsdp", "jaxsync_fsdp_bf16rs": "gspmd_fsdp",
+             "jaxsync_fsdp_keep": "gspmd_fsdp"}  # fmt: skip
 
 
 def main() -> None:
@@ -322,7 +324,7 @@ def main() -> None:
         rows_out = []
         for name, r in reports.items():
             ref = reports.get(REFERENCE.get(name, "")) or reports.get(
-                "gspmd_ddp" if name == "jaxsync_ddp" else ""
+                "gspmd_ddp" if name.startswith("jaxsync_ddp") else ""
             )
             rows_out.append([
                 name, f"{r.step_us / 1e3:.2f}",
