@@ -19,10 +19,12 @@ import jax
 
 
 def settle(tree: Any) -> Any:
-    """``tree``, after waiting for its arrays that span several CPU devices."""
+    """``tree``, after waiting for its arrays that span several CPU devices (tracers,
+    as under ``jax.eval_shape``, pass through)."""
     spanning = [
         x for x in jax.tree.leaves(tree)
-        if isinstance(x, jax.Array) and len(x.sharding.device_set) > 1
+        if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
+        and len(x.sharding.device_set) > 1
         and next(iter(x.sharding.device_set)).platform == "cpu"
     ]  # fmt: skip
     if spanning:
