@@ -319,8 +319,8 @@ def main() -> None:
             reports[case.name] = jaxsync.schedule_report(lowered, options=options)
             print(f"  [{flag_name}] {case.name}: compiled in {time.perf_counter() - t0:.0f} s, "
                   f"{reports[case.name].step_us / 1e3:.2f} ms", flush=True)  # fmt: skip
-        head = ["method", "step ms", "vs ref", "exposed ms", "exposed %", "sent / ring bound",
-                "roofline ms", "args MiB", "temps MiB", "fits"]  # fmt: skip
+        head = ["method", "step ms", "vs ref", "makespan ms", "vs ref", "exposed ms", "exposed %",
+                "sent / ring bound", "roofline ms", "args MiB", "temps MiB", "fits"]  # fmt: skip
         rows_out = []
         for name, r in reports.items():
             ref = reports.get(REFERENCE.get(name, "")) or reports.get(
@@ -329,6 +329,8 @@ def main() -> None:
             rows_out.append([
                 name, f"{r.step_us / 1e3:.2f}",
                 f"{r.step_us / ref.step_us:.2f}x" if ref else "",
+                f"{r.makespan_us / 1e3:.2f}",
+                f"{r.makespan_us / ref.makespan_us:.2f}x" if ref else "",
                 f"{r.exposed_total_us / 1e3:.2f}", f"{r.exposed_total_us / r.step_us:.1%}",
                 f"{ring_bytes(r, n) / bound:.2f}", f"{r.roofline_us / 1e3:.2f}",
                 f"{r.memory['arguments'] / 2**20:.0f}", f"{r.memory['temps'] / 2**20:.0f}",

@@ -133,6 +133,7 @@ def one(name: str, size: str, steps: int, gpu: str, target: str) -> dict:
     out["measured_ms"], state = time_steps(modeled_fn, state, tokens, steps)
     if report is not None:
         out["model_ms"] = report.step_us / 1e3
+        out["makespan_ms"] = report.makespan_us / 1e3
         out["roofline_ms"] = report.roofline_us / 1e3
         out["model_mib"] = (report.memory["arguments"] + report.memory["temps"]) / 2**20
     default_fn = case.fn.lower(state, tokens).compile()
@@ -159,7 +160,8 @@ def cfg_params(cfg) -> int:
 
 
 def table(rows: list[dict]) -> str:
-    head = ["method", "measured ms", "model ms", "model / measured", "of it roofline ms",
+    head = ["method", "measured ms", "model ms", "model / measured", "makespan ms",
+            "makespan / measured", "of it roofline ms",
             "target ms", "defaults ms", "6ND TFLOP/s", "peak MiB", "model MiB",
             "target MiB", "compile s"]  # fmt: skip
 
@@ -169,7 +171,9 @@ def table(rows: list[dict]) -> str:
     body = []
     for r in rows:
         ratio = f"{r['model_ms'] / r['measured_ms']:.2f}" if "model_ms" in r else "-"
+        span = f"{r['makespan_ms'] / r['measured_ms']:.2f}" if "makespan_ms" in r else "-"
         body.append([r["method"], f(r, "measured_ms"), f(r, "model_ms"), ratio,
+                     f(r, "makespan_ms"), span,
                      f(r, "roofline_ms"), f(r, "target_ms"), f(r, "defaults_ms"),
                      f(r, "tflops", "{:.0f}"), f(r, "peak_mib", "{:.0f}"),
                      f(r, "model_mib", "{:.0f}"), f(r, "target_mib", "{:.0f}"),

@@ -115,10 +115,14 @@ def test_schedule_report_prices_a_matmul_and_an_all_reduce_by_hand():
     assert ar_dep.overlap_ops == 0
     assert dep.exposed_us["all-reduce"] == pytest.approx(ar_dep.modeled_us, rel=0.05)
     assert dep.step_us >= matmul_roofline_us * 0.8 + ar_dep.modeled_us
+    # The scheduler's timeline reads the same chain: matmul, then the all-reduce.
+    assert dep.makespan_us >= matmul_roofline_us * 0.8 + ar_dep.modeled_us
+    assert dep.makespan_us == pytest.approx(dep.step_us, rel=0.25)
     # independent: the matmul runs while the all-reduce is in flight
     assert ar_ind.overlap_ops >= 1 and ar_ind.overlap_us > 0.5 * ar_ind.modeled_us
     assert ind.exposed_us.get("all-reduce", 0.0) < 0.5 * dep.exposed_us["all-reduce"]
     assert ind.step_us < dep.step_us
+    assert ind.makespan_us < dep.makespan_us
 
 
 @needs_plugin
@@ -144,6 +148,8 @@ def test_schedule_report_multiplies_loop_bodies_by_their_trip_count():
     assert loop_ar and all(c.runs == body.runs for c in loop_ar)
     assert r.step_us == pytest.approx(sum(c.own_us * c.runs for c in r.computations))
     assert r.step_us > 5 * body.own_us
+    assert r.makespan_us == pytest.approx(sum(c.span_us * c.runs for c in r.computations))
+    assert r.makespan_us > 5 * body.span_us > 0
 
 
 @needs_plugin

@@ -119,7 +119,8 @@ class Hotspot:
 class ComputationTiming:
     """One computation's modeled time per run, and how often it runs per step.
 
-    ``source`` is ``"xla"`` (the scheduler's ``total_cycles``) or ``"roofline"``.
+    ``source`` is ``"xla"`` (the scheduler's ``total_cycles``) or ``"roofline"``;
+    ``span_us`` is the scheduler's makespan of it (the roofline figure where skipped).
     """
 
     name: str
@@ -127,6 +128,7 @@ class ComputationTiming:
     own_us: float
     source: str
     exposed_us: Mapping[str, float]
+    span_us: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,6 +169,20 @@ class ScheduleReport:
     def exposed_total_us(self) -> float:
         return sum(self.exposed_us.values())
 
+    @property
+    def makespan_us(self) -> float:
+        """The step by the scheduler's own timeline, a second reading of XLA's model.
+
+        ``step_us`` is XLA's scheduler statistics: the final order replayed, each
+        instruction's cost added and each async op's remaining latency waited for.
+        The dumped timeline is the makespan the scheduler built its order on, from
+        its dependency graph. The two mostly differ by 5-20%, but not always: a
+        6.7B fp32 DDP step on 64 x H100 reads 200.8 ms in the statistics and 474.1
+        ms on the timeline, whose per-layer all-reduces run one after another. Read
+        both before trusting a ratio.
+        """
+        return sum(c.span_us * c.runs for c in self.computations)
+
     def collective_bytes(self, kind: str | None = None) -> int:
         """Bytes moved per step (result bytes x runs), of one kind or all."""
         return sum(c.bytes * c.runs for c in self.collectives if kind in (None, c.kind))
@@ -180,6 +196,7 @@ class ScheduleReport:
             "exposed communication "
             f"{self.exposed_total_us / 1e3:.3f} ms ({self.exposed_total_us / self.step_us:.1%})",
         ]
+        lines.append(f"  on the scheduler's timeline: {self.makespan_us / 1e3:.3f} ms")
         for kind, us in sorted(self.exposed_us.items()):
             lines.append(f"  exposed {kind}: {us / 1e3:.3f} ms")
         m = self.memory
@@ -330,7 +347,10 @@ def read_schedule(text: str, memory: Any, gpu: GpuSpec) -> ScheduleReport:
         step += own * n
         for k, v in waste.items():
             exposed[k] = exposed.get(k, 0.0) + v
-        timings.append(ComputationTiming(comp.one("name"), n, own, "xla", waste))
+        cpu_us = float(sched.one("cycles_per_microsecond", 1))
+        span = max((e.one("end_timestamp_cycles", 0.0) for e in sched.all("instructions")),
+                   default=0.0) / cpu_us  # fmt: skip
+        timings.append(ComputationTiming(comp.one("name"), n, own, "xla", waste, span))
     # Skipped computations: the roofline, scaled per kernel class (matmuls, the
     # rest) by what XLA's model charges over the roofline for the same class in
     # the scheduled ones (launch costs, efficiency); 1 where a class is unseen.
@@ -342,7 +362,7 @@ def read_schedule(text: str, memory: Any, gpu: GpuSpec) -> ScheduleReport:
             flops = dot_flops(inst, comps, insts)
             own += scale[0 if flops else 1] * roofline(inst, comps, insts, gpu)
         priced += own * n
-        timings.append(ComputationTiming(comp.one("name"), n, own, "roofline", {}))
+        timings.append(ComputationTiming(comp.one("name"), n, own, "roofline", {}, own))
     step += priced
     mem = {
         "arguments": memory.argument_size_in_bytes,
