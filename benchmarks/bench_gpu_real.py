@@ -55,8 +55,8 @@ if _platforms is None:  # this script runs on the GPUs, and so do its children
 import jaxsync  # noqa: E402
 from jaxsync._src.schedule import compile_scheduled  # noqa: E402  (one compile for both)
 
-METHODS = ("replicated", "gspmd_zero1", "gspmd_fsdp", "jaxsync_ddp", "jaxsync_zero",
-           "jaxsync_zero_bf16rs", "jaxsync_fsdp", "jaxsync_fsdp_keep")  # fmt: skip
+#: bench_gpu's 1-D methods: its baselines first, then every jaxsync variant.
+METHODS = tuple(dict.fromkeys([*bench_gpu.REFERENCE.values(), *bench_gpu.REFERENCE]))
 
 
 def config(size: str) -> tuple[model.Config, int]:

@@ -39,7 +39,7 @@ def value_and_grad(
     loss_fn = _checked_loss(scoped, has_aux, fs.axes)
     if microbatches == 1:
         return jax.value_and_grad(loss_fn, has_aux=has_aux)(shards, batch)
-    mbs = jax.tree.map(lambda x: x.reshape(microbatches, -1, *x.shape[1:]), batch)
+    mbs = split_microbatches(microbatches, batch)
     if sync_grad_accum:
         target, grad_fn = shards, jax.value_and_grad(loss_fn, has_aux=has_aux)
     else:
@@ -80,6 +80,13 @@ def _checked_loss(loss_fn: Callable[..., Any], has_aux: bool, axes: Any) -> Call
         return out
 
     return checked
+
+
+def split_microbatches(microbatches: int, batch: Any) -> Any:
+    """``batch`` checked (:func:`check_microbatches`) and cut into ``microbatches``
+    equal slices of its rows: each leaf ``[microbatches, rows / microbatches, ...]``."""
+    check_microbatches(microbatches, batch)
+    return jax.tree.map(lambda x: x.reshape(microbatches, -1, *x.shape[1:]), batch)
 
 
 def check_microbatches(microbatches: Any, batch: Any) -> None:

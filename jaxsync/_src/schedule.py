@@ -333,7 +333,8 @@ def read_schedule(text: str, memory: Any, gpu: GpuSpec) -> ScheduleReport:
             skipped.append((comp, n))
             continue
         stats = sched.one("scheduler_statistics", Message())
-        own = float(stats.one("total_cycles", 0.0)) / float(sched.one("cycles_per_microsecond", 1))
+        per_us = float(sched.one("cycles_per_microsecond", 1))
+        own = float(stats.one("total_cycles", 0.0)) / per_us
         waste = {
             k.removesuffix("_wasted_cycles").replace("_", "-"): float(v[-1]) * n
             for k, v in stats.items()
@@ -347,9 +348,8 @@ def read_schedule(text: str, memory: Any, gpu: GpuSpec) -> ScheduleReport:
         step += own * n
         for k, v in waste.items():
             exposed[k] = exposed.get(k, 0.0) + v
-        cpu_us = float(sched.one("cycles_per_microsecond", 1))
         span = max((e.one("end_timestamp_cycles", 0.0) for e in sched.all("instructions")),
-                   default=0.0) / cpu_us  # fmt: skip
+                   default=0.0) / per_us  # fmt: skip
         timings.append(ComputationTiming(comp.one("name"), n, own, "xla", waste, span))
     # Skipped computations: the roofline, scaled per kernel class (matmuls, the
     # rest) by what XLA's model charges over the roofline for the same class in

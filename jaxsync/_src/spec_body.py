@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from .axes import to_varying, varying_axes
 from .dim_views import DimStack, DimTapSpec, defers, gather_params
 from .dims import DimPlan, DimSync, gather, reduce
-from .fsdp_grad import check_microbatches
+from .fsdp_grad import split_microbatches
 from .names import group_of
 from .spec_step import SpecLayout, SpecZeroState
 from .tap_rules import check_taps
@@ -102,11 +102,10 @@ def spec_body(cfg: Any, plan: Any, state: TrainState, batch: Any) -> tuple[Train
 
     mbs, last, acc, head = None, batch, None, None
     if k > 1:
-        check_microbatches(k, batch)
-        mbs = jax.tree.map(lambda x: x.reshape(k, -1, *x.shape[1:]), batch)
+        mbs = split_microbatches(k, batch)
         last = jax.tree.map(lambda m: m[-1], mbs)
     if once:
-        acc, head = _local_sum(loss, treedef, varying, jax.tree.map(lambda m: m[:-1], mbs))
+        acc, head = _local_sum(loss, treedef, varying, jax.tree.map(lambda m: m[:-1], mbs), data)
 
     # Traced once, the taps checked on that jaxpr, then differentiated from it
     # (as sync_value_and_grad does on a 1-D mesh).
@@ -165,19 +164,20 @@ def spec_body(cfg: Any, plan: Any, state: TrainState, batch: Any) -> tuple[Train
     return new._replace(params=params, opt_state=SpecZeroState(new.params, new.opt_state)), mean
 
 
-def _local_sum(loss: Any, treedef: Any, params: list, mbs: Any) -> tuple[list, Any]:
-    """Each param's local gradient summed over ``mbs`` in fp32 (no communication: the
-    model gets plain arrays, on which :func:`jaxsync.tap` is the identity), and the
-    mean loss."""
-    vg = jax.value_and_grad(lambda ps, b: loss(jax.tree.unflatten(treedef, ps), b), has_aux=True)
+def _local_sum(
+    loss: Any, treedef: Any, params: list, mbs: Any, axes: tuple[str, ...]
+) -> tuple[list, Any]:
+    """Each param's local gradient summed over ``mbs`` in fp32 and the mean loss:
+    :func:`jaxsync.accumulate_grads` (no communication; the model gets plain arrays,
+    on which :func:`jaxsync.tap` is the identity), its mean gradient times the count."""
+    from .grad_sync import accumulate_grads
 
-    def one(acc: list, mb: Any) -> tuple[list, Any]:
-        (o, _), g = vg(params, mb)
-        return [a + x.astype(jnp.float32) for a, x in zip(acc, g, strict=True)], o
-
-    zero = [_zeros_like_grad(x, jnp.float32) for x in params]
-    acc, outs = jax.lax.scan(one, zero, mbs)
-    return acc, jnp.mean(outs)
+    k = jax.tree.leaves(mbs)[0].shape[0]
+    (out, _), g = accumulate_grads(
+        lambda ps, b: loss(jax.tree.unflatten(treedef, ps), b), params, mbs, axis_name=axes,
+        has_aux=True,
+    )  # fmt: skip
+    return [x * k for x in g], out
 
 
 def _early_cast(shard: jax.Array, sync: DimSync) -> jax.Array:

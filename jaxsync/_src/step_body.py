@@ -19,7 +19,7 @@ import jax.numpy as jnp
 
 from .axes import varying_axes
 from .exact_sync import nonfinite_flags
-from .fsdp_grad import check_microbatches
+from .fsdp_grad import split_microbatches
 from .grad_sync import accumulate_grads, all_reduce_grads, value_and_grad
 from .nnx_bridge import ModelDef
 from .scan_sync import DataParallel, is_view, trace_views
@@ -87,8 +87,7 @@ def grads_of(cfg: Any, plan: Plan, state: TrainState, batch: Any, sync: Any) -> 
             deterministic=cfg.deterministic,
         )  # fmt: skip
         return vg(state.params, batch)
-    check_microbatches(cfg.microbatches, batch)
-    mbs = jax.tree.map(lambda x: x.reshape(cfg.microbatches, -1, *x.shape[1:]), batch)
+    mbs = split_microbatches(cfg.microbatches, batch)
     return accumulate_grads(
         loss, state.params, mbs, axis_name=cfg.axis_name, rules=rules, sync=sync, has_aux=True
     )
