@@ -5,7 +5,6 @@ from jaxsync._src.checkpoint import Checkpointer as Checkpointer
 from jaxsync._src.checkpoint import CheckpointMismatchError as CheckpointMismatchError
 from jaxsync._src.checkpoint import CorruptCheckpointError as CorruptCheckpointError
 from jaxsync._src.checkpoint import Restored as Restored
-from jaxsync._src.checks import nonfinite_report as nonfinite_report
 from jaxsync._src.clip import clip_by_global_norm as clip_by_global_norm
 from jaxsync._src.collectives import bucket_all_gather as bucket_all_gather
 from jaxsync._src.collectives import bucket_all_reduce as bucket_all_reduce
@@ -37,6 +36,7 @@ from jaxsync._src.grad_sync import value_and_grad as value_and_grad
 from jaxsync._src.hlo import CollectiveStats as CollectiveStats
 from jaxsync._src.hlo import collective_stats as collective_stats
 from jaxsync._src.hlo import lowered_collective_counts as lowered_collective_counts
+from jaxsync._src.layer_tap import LayerStack as LayerStack
 from jaxsync._src.layout import Bucket as Bucket
 from jaxsync._src.layout import Buffer as Buffer
 from jaxsync._src.layout import BufferKey as BufferKey
@@ -45,6 +45,7 @@ from jaxsync._src.layout import ParamSlot as ParamSlot
 from jaxsync._src.layout import PieceRange as PieceRange
 from jaxsync._src.loss_scale import DynamicLossScale as DynamicLossScale
 from jaxsync._src.loss_scale import LossScaleState as LossScaleState
+from jaxsync._src.metrics import nonfinite_report as nonfinite_report
 from jaxsync._src.names import param_name as param_name
 from jaxsync._src.nnx_bridge import merge_module as merge_module
 from jaxsync._src.nnx_bridge import scan_layers as scan_layers
@@ -67,18 +68,17 @@ from jaxsync._src.routing import OwnershipReport as OwnershipReport
 from jaxsync._src.routing import muon_labels as muon_labels
 from jaxsync._src.routing import ownership_report as ownership_report
 from jaxsync._src.scan_sync import DataParallel as DataParallel
-from jaxsync._src.scan_sync import LayerStack as LayerStack
-from jaxsync._src.scan_sync import tap as tap
 from jaxsync._src.schedule import GPU_PERFORMANCE_OPTIONS as GPU_PERFORMANCE_OPTIONS
 from jaxsync._src.schedule import SCHEDULE_OPTIONS as SCHEDULE_OPTIONS
-from jaxsync._src.schedule import CollectiveTiming as CollectiveTiming
-from jaxsync._src.schedule import ComputationTiming as ComputationTiming
-from jaxsync._src.schedule import ScheduleReport as ScheduleReport
 from jaxsync._src.schedule import schedule_report as schedule_report
 from jaxsync._src.step import TrainStep as TrainStep
 from jaxsync._src.step_builder import train_step as train_step
+from jaxsync._src.timings import CollectiveTiming as CollectiveTiming
+from jaxsync._src.timings import ComputationTiming as ComputationTiming
+from jaxsync._src.timings import ScheduleReport as ScheduleReport
 from jaxsync._src.train_state import TrainState as TrainState
 from jaxsync._src.train_state_checkpoint import RestoredState as RestoredState
+from jaxsync._src.views import tap as tap
 
 __version__ = "0.1.0"
 

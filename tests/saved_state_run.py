@@ -38,8 +38,9 @@ def loss_fn(p, batch):
 
 def batches(n=3, rows=16):
     rng = np.random.default_rng(0)
+    f32 = np.float32
     return [
-        (rng.normal(size=(rows, 8)).astype(np.float32), rng.normal(size=(rows, 4)).astype(np.float32))
+        (rng.normal(size=(rows, 8)).astype(f32), rng.normal(size=(rows, 4)).astype(f32))
         for _ in range(n)
     ]
 

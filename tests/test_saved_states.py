@@ -31,11 +31,11 @@ def test_old_checkpoint_restores(case, n, tmp_path):
     assert int(got.step) == int(want.step) == 3
     assert jax.tree.structure(got) == jax.tree.structure(want)
     # Every field: params, optimizer moments, loss scale, skip counters, metrics.
-    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
     # The restored optimizer continues as the uninterrupted run does.
     b = saved_state_run.batches(1)[0]
     got, _ = step(got, b)
     want, _ = step(want, b)
-    for a, b in zip(jax.tree.leaves(step.params(got)), jax.tree.leaves(step.params(want))):
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)

@@ -50,6 +50,7 @@ from .describe import DISTRIBUTED, describe_optimizer, optimizer_differences
 from .loss_scale import init_loss_scale
 from .optimizer import DistributedOptimizer
 from .optimizer_state import DistributedOptimizerState
+from .train_state_checkpoint import restore_state, save_state
 
 __all__ = [
     "CHECKS_ITEM",
@@ -212,8 +213,6 @@ class Checkpointer(CheckpointIO):
         Example:
           >>> ckpt.save_state(train_step, state, step=i, meta={"data_position": i})
         """
-        from .train_state_checkpoint import save_state
-
         self._check_open()
         save_state(self, train_step, state, step=step, extra=extra, meta=meta)
 
@@ -234,8 +233,6 @@ class Checkpointer(CheckpointIO):
         :class:`CheckpointMismatchError` naming any part of the state the
         checkpoint does not hold; nothing is re-initialised.
         """
-        from .train_state_checkpoint import restore_state
-
         return restore_state(self, train_step, state_like, step=step, extra_like=extra_like)
 
     def read_meta(self, step: int | None = None) -> dict[str, Any]:

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import optax
 
 from .axes import AxisName, bound_axes, normalize_axes
-from .checks import check_positive
+from .validate import check_positive
 
 PyTree = Any
 

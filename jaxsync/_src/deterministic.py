@@ -32,8 +32,8 @@ import jax
 import jax.numpy as jnp
 
 from .axes import axes_size, bound_axes, to_varying
-from .checks import check_local_loss
 from .fixed_point import MAX_ADDENDS, unit_sum
+from .grad_checks import check_local_loss
 
 PyTree = Any
 

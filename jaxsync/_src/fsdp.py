@@ -26,7 +26,6 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from .axes import AxisName, bound_axes, mesh_axes_size, normalize_axes
-from .checks import check_bool
 from .fsdp_gather import MixedPrecision, cast_floats, gather_shard, reduce_shard
 from .fsdp_global import shard as _shard
 from .fsdp_global import unshard as _unshard
@@ -43,6 +42,7 @@ from .fsdp_view import view as _view
 from .layout import BufferKey, Layout
 from .names import param_name
 from .placement import normalize_stacked, stack_layers
+from .validate import check_bool
 
 PyTree = Any
 

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from .axes import axes_size, to_varying
-from .checks import check_bool, check_float_dtype
+from .validate import check_bool, check_float_dtype
 
 PyTree = Any
 

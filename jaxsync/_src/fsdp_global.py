@@ -9,7 +9,7 @@ is unflattening: no per-rank slicing.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -20,13 +20,13 @@ from .axes import mesh_axes_size
 from .fsdp_optimizer import LabelsState
 from .portable import convert
 
-if TYPE_CHECKING:
-    from .fsdp import FullyShard
-
 PyTree = Any
+# The jaxsync.FullyShard whose method calls this: passed in, not imported (fsdp.py
+# imports this module).
+FullyShardT = Any
 
 
-def shard(fs: FullyShard, params: PyTree, mesh: Mesh) -> dict[str, jax.Array]:
+def shard(fs: FullyShardT, params: PyTree, mesh: Mesh) -> dict[str, jax.Array]:
     """:meth:`FullyShard.shard`."""
     n = mesh_axes_size(mesh, fs.axes, "FullyShard.shard")
     if n != fs.num_shards:
@@ -54,7 +54,7 @@ def shard(fs: FullyShard, params: PyTree, mesh: Mesh) -> dict[str, jax.Array]:
     return convert(build, (params,), mesh, shardings, key=("fsdp.shard", fs, mesh))
 
 
-def unshard(fs: FullyShard, shards: dict[str, jax.Array], mesh: Mesh) -> PyTree:
+def unshard(fs: FullyShardT, shards: dict[str, jax.Array], mesh: Mesh) -> PyTree:
     """:meth:`FullyShard.unshard`."""
     leaves: list[Any] = [None] * len(fs.param_names)
 
@@ -73,24 +73,24 @@ def unshard(fs: FullyShard, shards: dict[str, jax.Array], mesh: Mesh) -> PyTree:
 
 
 # ------------------------------------------------------------- checkpoints
-def _unit_dicts(fs: FullyShard, label: str | None) -> Callable[[Any], bool]:
+def _unit_dicts(fs: FullyShardT, label: str | None) -> Callable[[Any], bool]:
     """Recognises the state's ``{unit: shard}`` dicts (a label's: ``{unit: piece}``)."""
     units = set(fs.units) if label is None else {u for u, lab, _, _ in fs.pieces() if lab == label}
     return lambda x: isinstance(x, dict) and len(units) > 0 and set(x) == units
 
 
-def _label_names(fs: FullyShard, label: str) -> tuple[str, ...]:
+def _label_names(fs: FullyShardT, label: str) -> tuple[str, ...]:
     return tuple(n for n, lab in zip(fs.param_names, fs.labels, strict=True) if lab == label)
 
 
-def _per_label(fs: FullyShard, opt: Any, convert_one: Callable[[Any, str | None], Any]) -> Any:
+def _per_label(fs: FullyShardT, opt: Any, convert_one: Callable[[Any, str | None], Any]) -> Any:
     """``convert_one(state, label)`` of each label's state (the whole state: None)."""
     if isinstance(opt, LabelsState):
         return LabelsState({lab: convert_one(s, lab) for lab, s in opt.inner_states.items()})
     return convert_one(opt, None)
 
 
-def to_portable(fs: FullyShard, opt: Any, mesh: Mesh) -> Any:
+def to_portable(fs: FullyShardT, opt: Any, mesh: Mesh) -> Any:
     """Every ``{unit: shard}`` of ``opt`` as the params' tree, every label's
     ``{unit: piece}`` as ``{param name: array}`` (fp32, replicated, no padding)."""
 
@@ -103,7 +103,7 @@ def to_portable(fs: FullyShard, opt: Any, mesh: Mesh) -> Any:
     return _per_label(fs, opt, one)
 
 
-def portable_like(fs: FullyShard, opt: Any, template: PyTree, mesh: Mesh) -> Any:
+def portable_like(fs: FullyShardT, opt: Any, template: PyTree, mesh: Mesh) -> Any:
     """The abstract form of :func:`to_portable`'s result for an (abstract) ``opt``."""
     rep = NamedSharding(mesh, P())
     sds = lambda t: jax.ShapeDtypeStruct(t.shape, jnp.float32, sharding=rep)  # noqa: E731
@@ -120,7 +120,7 @@ def portable_like(fs: FullyShard, opt: Any, template: PyTree, mesh: Mesh) -> Any
     return _per_label(fs, opt, one)
 
 
-def from_portable(fs: FullyShard, opt: Any, template: PyTree, mesh: Mesh) -> Any:
+def from_portable(fs: FullyShardT, opt: Any, template: PyTree, mesh: Mesh) -> Any:
     """Inverse of :func:`to_portable` onto ``fs``'s layout (any DP size)."""
     params_struct = jax.tree.structure(template)
 
@@ -137,7 +137,7 @@ def from_portable(fs: FullyShard, opt: Any, template: PyTree, mesh: Mesh) -> Any
     return _per_label(fs, opt, one)
 
 
-def _label_buffers(fs: FullyShard, label: str) -> list[tuple[str, int]]:
+def _label_buffers(fs: FullyShardT, label: str) -> list[tuple[str, int]]:
     """``(unit, buffer index)`` of ``label``'s buffer in each unit that has one."""
     return [
         (u, bi)
@@ -147,7 +147,7 @@ def _label_buffers(fs: FullyShard, label: str) -> list[tuple[str, int]]:
     ]
 
 
-def _unshard_label(fs: FullyShard, pieces: dict[str, jax.Array], label: str, mesh: Mesh) -> Any:
+def _unshard_label(fs: FullyShardT, pieces: dict[str, jax.Array], label: str, mesh: Mesh) -> Any:
     # A label's global piece array is rank-major over one buffer: that buffer's flat array.
     def build(pieces: dict[str, jax.Array]) -> dict[str, jax.Array]:
         out = {}
@@ -162,7 +162,7 @@ def _unshard_label(fs: FullyShard, pieces: dict[str, jax.Array], label: str, mes
     return convert(build, (pieces,), mesh, shardings, key=("fsdp.unshard_label", fs, label, mesh))
 
 
-def _shard_label(fs: FullyShard, arrays: dict[str, Any], label: str, mesh: Mesh) -> Any:
+def _shard_label(fs: FullyShardT, arrays: dict[str, Any], label: str, mesh: Mesh) -> Any:
     def build(arrays: dict[str, Any]) -> dict[str, jax.Array]:
         out = {}
         for u, bi in _label_buffers(fs, label):

@@ -9,19 +9,21 @@ gathered units (one reduce-scatter per step, more memory).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from .axes import to_varying
 
-if TYPE_CHECKING:
-    from .fsdp import FullyShard
+# The jaxsync.FullyShard whose method calls this: passed in, not imported (fsdp.py
+# imports this module).
+FullyShardT = Any
+
 
 
 def value_and_grad(
-    fs: FullyShard,
+    fs: FullyShardT,
     loss_fn: Callable[..., Any],
     shards: dict[str, jax.Array],
     batch: Any,
@@ -32,7 +34,7 @@ def value_and_grad(
 ) -> tuple[Any, dict[str, jax.Array]]:
     """:meth:`FullyShard.value_and_grad`."""
     check_microbatches(microbatches, batch)
-    from .scan_sync import call_with_views
+    from .views import call_with_views
 
     # A views scope: an NNX loss merges fs.view(shards) with jaxsync.merge_module.
     scoped = call_with_views(loss_fn, tuple(fs._layers), "FSDP's sharded layers")

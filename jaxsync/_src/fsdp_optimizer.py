@@ -12,7 +12,7 @@ each element's state held once.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -24,10 +24,10 @@ from .elementwise import check_elementwise
 from .names import param_name
 from .ownership import WholeMatrices
 
-if TYPE_CHECKING:
-    from .fsdp import FullyShard
-
 PyTree = Any
+# The jaxsync.FullyShard whose method calls this: passed in, not imported (fsdp.py
+# imports this module).
+FullyShardT = Any
 Labels = PyTree | Callable[[PyTree], PyTree] | None
 
 NO_LABELS = (
@@ -98,7 +98,7 @@ class ShardMultiTransform(optax.GradientTransformation):
 
 
 def multi_transform(
-    fs: FullyShard, transforms: Mapping[str, optax.GradientTransformation]
+    fs: FullyShardT, transforms: Mapping[str, optax.GradientTransformation]
 ) -> ShardMultiTransform:
     fn = "FullyShard.multi_transform"
     if fs.labels is None:
@@ -147,7 +147,7 @@ def multi_transform(
 
 
 # -------------------------------------------------------------------- init
-def probe(fs: FullyShard, tx: Any) -> None:
+def probe(fs: FullyShardT, tx: Any) -> None:
     """The elementwise probe of ``tx`` as it runs on the shards (per label)."""
     fn = "FullyShard.init_optimizer"
     axes = fs.axes + fs.replicate_axes
@@ -167,7 +167,7 @@ def probe(fs: FullyShard, tx: Any) -> None:
 
 
 def init_optimizer(
-    fs: FullyShard, tx: Any, shards: dict[str, jax.Array], mesh: Mesh | None, check: bool
+    fs: FullyShardT, tx: Any, shards: dict[str, jax.Array], mesh: Mesh | None, check: bool
 ) -> tuple[Any, Any]:
     fn = "FullyShard.init_optimizer"
     if isinstance(tx, Mapping):
@@ -188,7 +188,7 @@ def init_optimizer(
     return jax.jit(init)(shards), specs
 
 
-def state_specs(fs: FullyShard, tx: Any) -> Any:
+def state_specs(fs: FullyShardT, tx: Any) -> Any:
     """Moments (shard- or piece-shaped leaves) sharded like their unit, scalars ``P()``."""
     specs = fs.specs()
     local, spec_of = {}, {}

@@ -8,16 +8,16 @@ So the model code is the same as for plain data parallelism:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 
 from .names import param_name
 
-if TYPE_CHECKING:
-    from .fsdp import FullyShard
-
 PyTree = Any
+# The jaxsync.FullyShard whose method calls this: passed in, not imported (fsdp.py
+# imports this module).
+FullyShardT = Any
 
 
 @jax.tree_util.register_pytree_node_class
@@ -28,14 +28,14 @@ class ShardedLayers:
     gathers that one layer (see :meth:`FullyShard.view`).
     """
 
-    def __init__(self, shard: Any, fs: FullyShard, unit: str):
+    def __init__(self, shard: Any, fs: FullyShardT, unit: str):
         self.shard, self.fs, self.unit = shard, fs, unit
 
-    def tree_flatten(self) -> tuple[tuple[Any], tuple[FullyShard, str]]:
+    def tree_flatten(self) -> tuple[tuple[Any], tuple[FullyShardT, str]]:
         return (self.shard,), (self.fs, self.unit)
 
     @classmethod
-    def tree_unflatten(cls, aux: tuple[FullyShard, str], children: Any) -> ShardedLayers:
+    def tree_unflatten(cls, aux: tuple[FullyShardT, str], children: Any) -> ShardedLayers:
         return cls(children[0], *aux)
 
     holds_shards = True  # the model sees placeholders until the tap gathers a layer
@@ -45,14 +45,14 @@ class ShardedLayers:
         return self.fs.gather_layer(self.shard, self.unit)
 
     def __getitem__(self, key: Any) -> Any:
-        from .scan_sync import NOT_TAPPED
+        from .views import NOT_TAPPED
 
         raise TypeError(NOT_TAPPED.format(group=self.unit))
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__") or name in ("shard", "fs", "unit"):
             raise AttributeError(name)
-        from .scan_sync import NOT_TAPPED
+        from .views import NOT_TAPPED
 
         raise TypeError(NOT_TAPPED.format(group=self.unit))
 
@@ -75,7 +75,7 @@ def group_trees(params: PyTree, stacked: Sequence[str]) -> dict[str, tuple[Any, 
     return out
 
 
-def view(fs: FullyShard, shards: dict[str, Any], gathered: dict[str, Any], stacked: Any) -> PyTree:
+def view(fs: FullyShardT, shards: dict[str, Any], gathered: dict[str, Any], stacked: Any) -> PyTree:
     """The params' tree: ``gathered[name]`` per param, a :class:`ShardedLayers` per
     stacked group (``stacked``: its units)."""
 

@@ -19,7 +19,6 @@ import numpy as np
 import optax
 
 from .axes import AxisName, axes_size, bound_axes, normalize_axes, rank, to_varying
-from .checks import check_bool, check_float_dtype, check_local_grads, check_local_loss, check_rules
 from .collectives import bucket_all_reduce
 from .deterministic import (
     Deterministic,
@@ -31,9 +30,11 @@ from .deterministic import (
 )
 from .exact_sync import UNIT_GRADS_WITHOUT_MODE, all_reduce_unit_grads
 from .finalize import SyncRules, local_view, sync_keys
+from .grad_checks import check_local_grads, check_local_loss, check_rules
 from .layout import BufferKey, Layout
 from .placement import build_layout, check_bucket_size
 from .scan_sync import sync_rules, sync_value_and_grad
+from .validate import check_bool, check_float_dtype
 
 PyTree = Any
 

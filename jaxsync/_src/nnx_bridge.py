@@ -23,7 +23,7 @@ from typing import Any
 import jax
 from flax import nnx
 
-from .scan_sync import _VIEWS, is_view, tap
+from .views import TRACE_VIEWS, is_view, tap
 
 PyTree = Any
 
@@ -39,7 +39,7 @@ SCAN_FIX = (
     "as `nnx.to_pure_dict(nnx.state(model, nnx.Param))` gives it (merge the module with "
     "`jaxsync.merge_module`, or train with `jaxsync.train_step`)."
 )
-NO_VIEWS_SCOPE = (
+NOTRACE_VIEWS_SCOPE = (
     "jaxsync.merge_module: `params` holds jaxsync's view(s) of the stacked group(s) {groups}, "
     "which only exist inside the loss function that `jaxsync.value_and_grad(..., sync=...)`, "
     "`jaxsync.accumulate_grads(..., sync=...)` or `FullyShard.value_and_grad` differentiates: "
@@ -123,9 +123,9 @@ def _register(model: Any, views: dict[str, Any], fn: str) -> None:
     """Hands each view to the :func:`scan_layers` call on its submodule."""
     if not views:
         return
-    registry = _VIEWS.get()
+    registry = TRACE_VIEWS.get()
     if registry is None:
-        raise ValueError(NO_VIEWS_SCOPE.format(groups=sorted(views)))
+        raise ValueError(NOTRACE_VIEWS_SCOPE.format(groups=sorted(views)))
     for name, view in views.items():
         try:
             node = _submodule(model, name)
@@ -322,7 +322,7 @@ def scan_layers(
         )
     where = "jaxsync.scan_layers"
     graphdef, params, rest = nnx.split(layers, nnx.Param, ...)
-    view = (_VIEWS.get() or {}).get(id(layers))
+    view = (TRACE_VIEWS.get() or {}).get(id(layers))
     xs = view if view is not None else nnx.to_pure_dict(params)
     rest_xs = nnx.to_pure_dict(rest)
     ptemplate = _abstract(params)

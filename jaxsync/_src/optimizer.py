@@ -27,13 +27,14 @@ from .axes import (
     rank,
     to_varying,
 )
-from .checks import check_optimizer_args, check_update, next_metrics
 from .collectives import bucket_reduce_scatter, gather_params
 from .deterministic import Deterministic, UnitGrads, check_deterministic
 from .exact_sync import UNIT_GRADS_WITHOUT_MODE, exact_shards
 from .finalize import SyncRules
 from .layout import Layout
 from .loss_scale import LossScale, check_loss_scale, update_loss_scale
+from .metrics import next_metrics
+from .optimizer_checks import check_optimizer_args, check_update
 from .optimizer_state import DistributedOptimizerState, ShardedGrads
 from .ownership import WholeMatrices
 from .placement import check_bucket_size, normalize_stacked

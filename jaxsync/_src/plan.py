@@ -19,17 +19,18 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from .axes import varying_axes
-from .checks import check_labels, check_param_leaves, check_param_specs
 from .elementwise import check_elementwise
 from .finalize import ExpertParallel, SyncRules, sync_keys
 from .layerwise import owned_transform
 from .layout import BufferKey, Layout
 from .loss_scale import LossScale, init_loss_scale
 from .names import param_name
+from .optimizer_checks import check_labels
 from .optimizer_state import DistributedOptimizerState, initial_metrics
 from .ownership import WholeMatrices
 from .placement import build_layout
 from .specs import local_shape, param_specs_of, spec_axes
+from .validate import check_param_leaves, check_param_specs
 
 PyTree = Any
 Labels = PyTree | Callable[[PyTree], PyTree] | None

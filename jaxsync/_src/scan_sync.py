@@ -17,90 +17,25 @@ distributed optimizer, sharded: ZeRO-2).
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
-import functools
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from .axes import AxisName, bound_axes, normalize_axes, to_varying, varying_axes
+from .axes import AxisName, bound_axes, normalize_axes, to_varying
 from .collectives import buffer_axes, mean_factor, reduce_bucket, reduce_scatter_packed, scale_by
 from .finalize import SyncRules, local_view, sync_keys
+from .layer_tap import LayerStack, TapSpec
 from .layout import BufferKey, Layout
 from .names import in_group, param_name
 from .optimizer_state import ShardedGrads
 from .placement import build_layout, check_bucket_size, normalize_stacked
-from .tap_rules import TAP_NAME, check_taps
+from .tap_rules import check_taps
+from .views import call_with_views
 
 PyTree = Any
-
-NOT_TAPPED = (
-    "this is jaxsync's view of the stacked-layer group {group!r}, not its params: call "
-    "`p = jaxsync.tap(p)` on the layer's slice first thing in the scanned layer body "
-    "(it returns the layer's params and syncs their gradient inside the backward loop)."
-)
-
-
-NEVER_TAPPED = (
-    "the stacked-layer group(s) {groups} reached the loss function as jaxsync's view, but "
-    "no scanned layer body passed its layer through `jaxsync.tap`, so their gradients would "
-    "be lost. Call `p = jaxsync.tap(p)` on each layer's slice in the scanned body (flax "
-    "NNX: run the stacked module with `jaxsync.scan_layers`), or drop them from `stacked=`."
-)
-
-
-HAND_MERGE = (
-    "jaxsync: the stacked-layer group(s) {groups} reach the loss function as jaxsync's views "
-    "({kind}), not as dicts of params, so a hand-written `nnx.replace_by_pure_dict` / "
-    "`nnx.merge` cannot take them. Merge the module with "
-    "`jaxsync.merge_module(graphdef, *states, params=params)`, which hands each view to "
-    "`jaxsync.scan_layers`, or train with `jaxsync.train_step`, which merges for you."
-)
-
-# The stacked-layer views of modules merged while a loss function is traced, by the
-# id of the submodule that holds the group (see jaxsync.merge_module). Set only for
-# the duration of one traced call (a context, like a trace-time argument), so no
-# view outlives its trace and no id is ever read for another object.
-_VIEWS: contextvars.ContextVar[dict[int, Any] | None] = contextvars.ContextVar(
-    "jaxsync_views", default=None
-)
-
-
-@contextlib.contextmanager
-def trace_views() -> Iterator[None]:
-    """Scopes the views that module merges register to one traced loss call."""
-    token = _VIEWS.set({})
-    try:
-        yield
-    finally:
-        _VIEWS.reset(token)
-
-
-def call_with_views(
-    fun: Callable[..., Any], groups: Sequence[str], kind: str
-) -> Callable[..., Any]:
-    """``fun`` run in a views scope; a flax pure-dict error gets a note on what to do.
-
-    A loss that merges an NNX module by hand from params holding views fails inside
-    flax (``key in pure_dict not available in state: ('blocks',)``); the note names
-    the groups and the jaxsync call that merges them.
-    """
-
-    def scoped(*args: Any) -> Any:
-        with trace_views():
-            try:
-                return fun(*args)
-            except ValueError as e:
-                if groups and "pure_dict" in str(e):
-                    e.add_note(HAND_MERGE.format(groups=sorted(groups), kind=kind))
-                raise
-
-    return scoped
-
 
 @dataclasses.dataclass(frozen=True)
 class DataParallel:
@@ -186,171 +121,6 @@ def _plan(sync: Any, params: PyTree, fn: str) -> _Plan:
     axes = bound_axes(config.axes, fn)
     layout = config.layout_inside(params)
     return _Plan(layout, axes, True, jnp.dtype(config.reduce_dtype).name, config.rules)
-
-
-@dataclasses.dataclass(frozen=True)
-class TapSpec:
-    """Static description of one stacked group, carried by its :class:`LayerStack`."""
-
-    group: str
-    layout: Layout
-    buffers: tuple[int, ...]
-    slots: tuple[int, ...]  # layout slot of each synced leaf of the group, in its tree order
-    axes: tuple[str, ...]
-    scatter: bool
-    reduce_dtype: str
-    factor: float
-    # Positions (in the group's leaf order) of leaves not synced in the loop: those
-    # of whole-matrix optimizers, whose gradient leaves the scan and is reduced after.
-    passthrough: tuple[int, ...] = ()
-
-
-@jax.tree_util.register_pytree_node_class
-class LayerStack:
-    """A stacked-layer group as the model sees it under in-loop sync.
-
-    A pytree whose children are the stacked params, one sink per bucket and
-    (for the last microbatch) the gradients accumulated so far, so ``lax.scan``
-    over it hands each iteration one layer of each. Pass the layer's slice to
-    :func:`tap` to get its params.
-    """
-
-    def __init__(self, params: PyTree, sinks: Any, acc: Any, spec: TapSpec):
-        self.params, self.sinks, self.acc, self.spec = params, sinks, acc, spec
-
-    def tree_flatten(self) -> tuple[tuple[Any, Any, Any], TapSpec]:
-        return (self.params, self.sinks, self.acc), self.spec
-
-    @classmethod
-    def tree_unflatten(cls, spec: TapSpec, children: Any) -> LayerStack:
-        return cls(*children, spec)
-
-    holds_shards = False  # the model's params are in it (FSDP's views hold shards)
-
-    def jaxsync_tap(self) -> PyTree:
-        """This layer's params; its gradient reduced in the backward loop (:func:`tap`)."""
-        spec = self.spec
-        leaves = _synced(spec, jax.tree.leaves(self.params))
-        for si, leaf in zip(spec.slots, leaves, strict=True):
-            slot = spec.layout.slots[si]
-            if tuple(leaf.shape) != slot.row_shape:
-                raise ValueError(
-                    f"jaxsync.tap got param {slot.path} of stacked group {spec.group!r} with "
-                    f"shape {tuple(leaf.shape)}; one layer's slice has shape {slot.row_shape}. "
-                    "Call it inside the scanned layer body, on the slice `lax.scan` passes in."
-                )
-        return _tap_of(spec.group)(spec, self.params, self.sinks, self.acc)
-
-    def __getitem__(self, key: Any) -> Any:
-        raise TypeError(NOT_TAPPED.format(group=self.spec.group))
-
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("__") or name in ("params", "sinks", "acc", "spec"):
-            raise AttributeError(name)
-        raise TypeError(NOT_TAPPED.format(group=self.spec.group))
-
-
-def tap(layer: Any) -> Any:
-    """Returns a scanned layer's params; its gradient is synced in the backward loop.
-
-    Call it on the layer's slice at the top of the scanned layer body. Under
-    :func:`jaxsync.value_and_grad` with ``sync=`` (or ``FullyShard.value_and_grad``),
-    the layer's gradient is reduced (reduce-scattered for the distributed
-    optimizer, all-reduced for :class:`DataParallel`; for FSDP the layer's shard
-    is also all-gathered here) inside the iteration of the backward scan that
-    computes it. Anywhere else (plain ``jax.grad``, evaluation) it returns
-    ``layer`` unchanged, so the same model code runs everywhere.
-
-    Rules (checked when the step is traced, see :mod:`jaxsync._src.tap_rules`):
-    every stacked group is tapped; the tap is not inside a ``lax.cond``/
-    ``lax.switch`` branch whose predicate depends on the data (its collective
-    would run on some devices only and deadlock: tap first, outside the branch,
-    and pass the tapped params into the branches; FSDP, whose forward gather
-    is a collective too, is checked the same way);
-    with microbatches each layer is tapped once per step (one tap per scanned
-    body, one scan over the stack, not nested in another loop).
-
-    Example:
-      >>> def body(x, p):
-      ...     p = jaxsync.tap(p)
-      ...     return block(p, x), None
-      >>> x, _ = jax.lax.scan(body, x, params["blocks"])
-    """
-    # Every jaxsync view of a stacked group (LayerStack here, FSDP's ShardedLayers,
-    # a 2-D step's DimStack) taps itself; anything else is the layer's own params.
-    own = getattr(type(layer), "jaxsync_tap", None)
-    return layer if own is None else own(layer)
-
-
-def is_view(x: Any) -> bool:
-    """jaxsync's stand-in for a stacked group (LayerStack, FSDP's sharded layers, a
-    2-D step's DimStack): each taps itself. The type is asked, not the view, whose
-    ``__getattr__`` refuses every name to catch a model reading it untapped."""
-    return hasattr(type(x), "jaxsync_tap")
-
-
-@functools.cache
-def _tap_of(group: str) -> Callable[..., PyTree]:
-    """The tap's custom_vjp for ``group``, named so the jaxpr shows which group it taps
-    (:mod:`tap_rules` reads the taps from there)."""
-
-    def tap_impl(spec: TapSpec, params: PyTree, sinks: Any, acc: Any) -> PyTree:
-        del spec, sinks, acc
-        return params
-
-    tap_impl.__name__ = tap_impl.__qualname__ = TAP_NAME.format(group=group)
-    fn = jax.custom_vjp(tap_impl, nondiff_argnums=(0,))
-    fn.defvjp(_tap_fwd, _tap_bwd)
-    return fn
-
-
-def _tap_fwd(spec: TapSpec, params: PyTree, sinks: Any, acc: Any) -> tuple[PyTree, Any]:
-    del spec
-    # Only the sinks' types travel to the backward (empty arrays of their dtype
-    # and device-varying axes), never their values.
-    like = jax.tree.map(lambda s: _like(jnp.zeros((0,), s.dtype), s), sinks)
-    return params, (acc, like)
-
-
-def _tap_bwd(spec: TapSpec, res: Any, ct: PyTree) -> tuple[None, Any, None]:
-    acc, (like, like_flags) = res
-    layout = spec.layout
-    all_ct, treedef = jax.tree.flatten(ct)
-    leaves = _synced(spec, all_ct)
-    # Which leaves had a non-finite *local* gradient, before any reduction (for
-    # the distributed optimizer's skipped-step report).
-    flags = jnp.stack([jnp.logical_not(jnp.all(jnp.isfinite(g))) for g in leaves])
-    by_slot: list[Any] = [None] * len(layout.slots)
-    for si, leaf in zip(spec.slots, leaves, strict=True):
-        by_slot[si] = leaf
-    packed = layout.pack_leaves(by_slot, spec.buffers, spec.reduce_dtype, rows=True)
-    if acc is not None:
-        packed = jax.tree.map(jnp.add, packed, acc)
-    out = []
-    for bi, buckets, sinks in zip(spec.buffers, packed, like, strict=True):
-        key = layout.buffers[bi].key
-        baxes = buffer_axes(layout, bi, spec.axes)
-        reduced = []
-        for bucket, sink in zip(buckets, sinks, strict=True):
-            r = scale_by(reduce_bucket(bucket, key, baxes, scatter=spec.scatter), spec.factor)
-            reduced.append(_like(r, sink))
-        out.append(tuple(reduced))
-    params_ct = None
-    if spec.passthrough:  # their gradient flows on, out of the scan
-        keep = set(spec.passthrough)
-        params_ct = jax.tree.unflatten(
-            treedef, [g if j in keep else jnp.zeros_like(g) for j, g in enumerate(all_ct)]
-        )
-    return params_ct, (tuple(out), _like(flags, like_flags)), None
-
-
-def _synced(spec: TapSpec, leaves: list[Any]) -> list[Any]:
-    return [x for j, x in enumerate(leaves) if j not in spec.passthrough]
-
-
-def _like(x: jax.Array, sink: jax.Array) -> jax.Array:
-    """``x`` in the sink's dtype, typed device-varying over every axis it varies over."""
-    return to_varying(x.astype(sink.dtype), tuple(sorted(varying_axes(sink))))
 
 
 def _sink_axes(plan: _Plan, bi: int) -> tuple[str, ...]:

@@ -35,7 +35,7 @@ PyTree = Any
 
 def spec_body(cfg: Any, plan: Any, state: TrainState, batch: Any) -> tuple[TrainState, Any]:
     """One 2-D step on this data rank's rows (inside the data-manual shard_map)."""
-    from .step_body import finish, loss_of, unscale
+    from .step_parts import finish, loss_of, unscale
 
     layout: SpecLayout = plan.dims
     data, mode, k = layout.data, cfg.mode, cfg.microbatches

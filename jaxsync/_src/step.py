@@ -42,7 +42,7 @@ from .optimizer_state import initial_metrics
 from .portable import signature
 from .spec_step import make_state, project, spec_layout, spec_master, spec_params
 from .specs import full_spec
-from .step_body import Plan, per_device
+from .step_body import per_device
 from .step_checks import (
     check_deterministic_state,
     check_float_params,
@@ -52,6 +52,7 @@ from .step_checks import (
     check_state_alive,
     check_state_mesh,
 )
+from .step_parts import Plan
 from .train_state import GuardState, TrainState
 from .xla_options import step_compiler_options
 

@@ -16,14 +16,15 @@ import optax
 from jax.sharding import Mesh
 
 from .axes import AxisName, mesh_axes_size, normalize_axes
-from .checks import check_bool, check_positive, check_rules
 from .deterministic import Deterministic, check_deterministic
 from .finalize import SyncRules
 from .fsdp_gather import MixedPrecision
+from .grad_checks import check_rules
 from .loss_scale import LossScale, check_loss_scale
 from .placement import check_bucket_size, normalize_stacked
 from .step import MODES, TrainStep
 from .step_checks import labeled_tx
+from .validate import check_bool, check_positive
 
 
 def train_step(

@@ -120,7 +120,7 @@ def checked_labels(labels: Any, inner: dict[str, Any]) -> Any:
     """``labels`` for ``optax.multi_transform`` (ddp), checked as ZeRO checks them: one
     label string per param, each a key of ``tx`` (a None or unknown label would be
     an optax KeyError or a silently untrained param)."""
-    from .checks import check_labels
+    from .optimizer_checks import check_labels
 
     def labels_of(params: PyTree) -> PyTree:
         tree = labels(params) if callable(labels) else labels

@@ -145,7 +145,7 @@ def check_taps(jaxpr: Any, groups: Sequence[str], axes: Sequence[str], accumulat
       axes: the data axes (a branch predicate varying over them deadlocks).
       accumulating: earlier microbatches' gradients ride on the taps.
     """
-    from .scan_sync import NEVER_TAPPED
+    from .views import NEVER_TAPPED
 
     uses = _walk(jaxpr, tuple(axes), 0)
     missed = sorted(g for g in groups if g not in uses)

@@ -17,8 +17,8 @@ import jax
 import jax.numpy as jnp
 
 from .axes import to_varying
-from .checks import next_metrics
 from .loss_scale import LossScale, LossScaleState, update_loss_scale
+from .metrics import next_metrics
 from .optimizer_state import StepMetrics
 
 PyTree = Any

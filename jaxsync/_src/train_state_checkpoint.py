@@ -34,6 +34,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from . import fsdp_global, spec_portable
+from .checkpoint_records import CheckpointMismatchError, compare_trees
 from .checksum import tree_checksums
 from .describe import describe_optimizer, optimizer_differences
 from .train_state import TrainState
@@ -196,8 +197,6 @@ def restore_state(
     step: int | None,
     extra_like: PyTree,
 ) -> RestoredState:
-    from .checkpoint import CheckpointMismatchError, compare_trees
-
     fn = "Checkpointer.restore_state"
     step = ckpt._complete_step(step)
     checks, saved = ckpt._record(step)
