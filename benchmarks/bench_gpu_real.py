@@ -53,7 +53,7 @@ if _platforms is None:  # this script runs on the GPUs, and so do its children
     os.environ.pop("JAX_PLATFORMS", None)
 
 import jaxsync  # noqa: E402
-from jaxsync._src.schedule import compile_scheduled  # noqa: E402  (one compile for both)
+from jaxsync._src.gpu.schedule import compile_scheduled  # noqa: E402
 
 #: bench_gpu's 1-D methods: its baselines first, then every jaxsync variant.
 METHODS = tuple(dict.fromkeys([*bench_gpu.REFERENCE.values(), *bench_gpu.REFERENCE]))

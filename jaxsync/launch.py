@@ -33,13 +33,13 @@ import threading
 import time
 from typing import IO, NamedTuple
 
-from jaxsync._src.distributed import (
+from jaxsync._src.multihost.distributed import (
     ENV_COORDINATOR,
     ENV_LAUNCH_DIR,
     ENV_NUM_PROCESSES,
     ENV_PROCESS_ID,
 )
-from jaxsync._src.launched import alive_marker, connected_marker
+from jaxsync._src.multihost.launched import alive_marker, connected_marker
 
 #: Exit code when the job is stopped by ``--timeout`` or ``--stall-timeout``.
 TIMEOUT_CODE = 124
@@ -158,7 +158,7 @@ def launch(
         ``jaxsync.initialize()`` this many seconds after the start (0: no limit).
       stall_timeout: stop the job when a process's main thread has made no
         progress (has been in the same Python frame at the same instruction)
-        for this many seconds (0: no limit); see :mod:`jaxsync._src.launched`.
+        for this many seconds (0: no limit); see :mod:`jaxsync._src.multihost.launched`.
       env: the processes' base environment (default: this one's).
       out, err: where the processes' output and the launcher's messages go.
 

@@ -182,7 +182,7 @@ def test_saving_sharded_state_needs_tx(tmp_path, setup):
 
 
 def test_conversion_compiles_once_per_model_and_mesh(setup):
-    from jaxsync._src import portable
+    from jaxsync._src.optim import portable
 
     params, tx, batches = setup
     m = mesh_of(4)
@@ -428,7 +428,7 @@ def test_unclosed_async_save_is_finished_at_exit(tmp_path):
 
 
 def test_label_differences_name_each_param_and_leave_model_changes_alone():
-    from jaxsync._src.describe import DISTRIBUTED, optimizer_differences
+    from jaxsync._src.checkpoint.describe import DISTRIBUTED, optimizer_differences
 
     saved = {"kind": DISTRIBUTED, "labels": {"a.w": "decay", "a.b": "no_decay", "gone": "x"}}
     now = {"kind": DISTRIBUTED, "labels": {"a.w": "no_decay", "a.b": "no_decay", "new": "y"}}

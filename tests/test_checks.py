@@ -17,8 +17,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxsync
-from jaxsync._src import elementwise
-from jaxsync._src.loss_scale import init_loss_scale, update_loss_scale
+from jaxsync._src.optim import elementwise
+from jaxsync._src.optim.loss_scale import init_loss_scale, update_loss_scale
 
 
 def small_params():

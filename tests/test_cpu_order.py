@@ -1,4 +1,4 @@
-"""Many independent multi-device programs on XLA:CPU (see jaxsync/_src/cpu_order.py).
+"""Many independent multi-device programs on XLA:CPU (see jaxsync/_src/core/cpu_order.py).
 
 Before cpu_order, a checkpoint's checksums dispatched one sharded sum per leaf
 all at once, and XLA:CPU deadlocked in a collective and aborted the process
@@ -10,7 +10,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxsync._src.checksum import tree_checksums
+from jaxsync._src.checkpoint.checksum import tree_checksums
 
 SPECS = [P(), P("data"), P("model"), P("data", "model"), P("model", "data"),
          P(None, "data"), P(None, "model"), P(("data", "model"))]  # fmt: skip

@@ -254,7 +254,7 @@ def test_resume_at_another_dp_size(tmp_path):
 def test_exact_sum_at_least_as_accurate_as_fp32():
     """Against a float64 sum of the same unit gradients: the fixed-point sum's error
     is no larger than the default fp32 psum's (elementwise and in the norm)."""
-    from jaxsync._src.fixed_point import exact_total, unit_sum
+    from jaxsync._src.deterministic.fixed_point import exact_total, unit_sum
 
     mesh = mesh_of(8)
     rng = np.random.default_rng(0)

@@ -330,7 +330,7 @@ def test_training_with_offloaded_state_equals_on_device(mesh8):
 
 
 def test_offload_unsupported_backend_is_an_error(mesh8, monkeypatch):
-    monkeypatch.setattr(jaxsync._src.offload, "host_offload_supported", lambda mesh: False)
+    monkeypatch.setattr(jaxsync._src.fsdp.offload, "host_offload_supported", lambda mesh: False)
     with pytest.raises(ValueError, match="host offload needs 'pinned_host' memory"):
         jaxsync.offload({"a": jnp.zeros(8)}, mesh8, {"a": P("data")})
     with pytest.raises(ValueError, match="host offload needs 'pinned_host' memory"):

@@ -16,7 +16,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxsync
-from jaxsync._src.textproto import parse
+from jaxsync._src.gpu.textproto import parse
 
 needs_plugin = pytest.mark.skipif(
     not jaxsync.gpu_target_available(),
@@ -304,7 +304,7 @@ def test_steps_that_gain_nothing_from_a_pipelined_reduce_scatter_do_not_pay_for_
     """FSDP and 2-D steps are compiled without XLA's pipelined reduce-scatter: it
     holds one more layer in flight for no modeled time (xla_options). Asking for it
     at compile time still works, and costs temporaries."""
-    from jaxsync._src.xla_options import PIPELINED_REDUCE_SCATTER, step_compiler_options
+    from jaxsync._src.step.xla_options import PIPELINED_REDUCE_SCATTER, step_compiler_options
 
     mesh = jaxsync.gpu_topology("h100", axes=axes)
     step = jaxsync.train_step(_stack_loss, optax.adamw(1e-3), mesh, mode=mode, stacked="blocks")
@@ -325,7 +325,7 @@ def test_steps_that_gain_nothing_from_a_pipelined_reduce_scatter_do_not_pay_for_
 
 
 def test_xla_flags_keep_the_users_pipelining_choice(monkeypatch):
-    from jaxsync._src.xla_options import PIPELINED_REDUCE_SCATTER, step_compiler_options
+    from jaxsync._src.step.xla_options import PIPELINED_REDUCE_SCATTER, step_compiler_options
 
     assert step_compiler_options("zero", two_d=False) == {}  # 1-D ZeRO gains from it
     assert step_compiler_options("ddp", two_d=True) == {PIPELINED_REDUCE_SCATTER: False}

@@ -238,7 +238,7 @@ def test_sys_exit_with_a_failure_code_does_not_wait_for_the_others(tmp_path):
     # the process at once with that code.
     body = """
         import atexit, sys, time
-        from jaxsync._src.distributed import _exit_now_on_failure_code
+        from jaxsync._src.multihost.distributed import _exit_now_on_failure_code
         atexit.register(time.sleep, 60)  # what JAX's shutdown barrier looks like
         _exit_now_on_failure_code()
         print("bye", flush=True)

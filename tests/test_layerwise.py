@@ -21,8 +21,8 @@ from helpers import (
 from jax.sharding import PartitionSpec as P
 
 import jaxsync
-from jaxsync._src.layerwise import owned_units, state_plan
-from jaxsync._src.ownership import COSTS, lpt
+from jaxsync._src.layout.ownership import COSTS, lpt
+from jaxsync._src.optim.layerwise import owned_units, state_plan
 
 STEPS = 10
 BATCH = 32

@@ -269,7 +269,7 @@ def test_fp16_loss_scale_skips_nonfinite_step_and_backs_off(mesh8):
 
 
 def test_dynamic_loss_scale_hysteresis_and_min():
-    from jaxsync._src.loss_scale import init_loss_scale, update_loss_scale
+    from jaxsync._src.optim.loss_scale import init_loss_scale, update_loss_scale
 
     cfg = jaxsync.DynamicLossScale(
         initial_scale=8.0, hysteresis=2, min_scale=2.0, growth_interval=3

@@ -43,7 +43,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxsync
-from jaxsync._src import distributed
+from jaxsync._src.multihost import distributed
 from tests.helpers import mlp_loss, mlp_params, nnx_reference, scanned_params
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -9,7 +9,7 @@ import pytest
 from conftest import require_devices
 
 import jaxsync
-from jaxsync._src.consistency import describe_value
+from jaxsync._src.multihost.consistency import describe_value
 
 MODES = ("ddp", "zero", "fsdp")
 
@@ -217,7 +217,7 @@ def test_fsdp_shards_restored_at_a_size_that_does_not_fit_their_padding(tmp_path
 
 
 def test_step_fingerprints_tell_configs_apart(mesh):
-    from jaxsync._src.step_checks import step_items
+    from jaxsync._src.step.checks import step_items
 
     def items(**kw):
         return dict(step_items(jaxsync.train_step(mse, optax.adam(1e-3), mesh, **kw)))

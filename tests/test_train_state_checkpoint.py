@@ -13,7 +13,7 @@ from conftest import require_devices
 from flax import nnx
 
 import jaxsync
-from jaxsync._src.checkpoint_lock import LOCK_NAME
+from jaxsync._src.checkpoint.lock import LOCK_NAME
 
 BATCH = {
     "x": np.random.RandomState(0).randn(16, 4).astype(np.float32),

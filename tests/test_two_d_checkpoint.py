@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 from tp_gpt import gpt_batches, gpt_loss, gpt_params, tp_specs
 
 import jaxsync
-from jaxsync._src.train_state_checkpoint import portable_like, to_portable
+from jaxsync._src.checkpoint.train_state import portable_like, to_portable
 
 MESHES = {"data8": (8,), "data4_model2": (4, 2), "data2_model4": (2, 4)}
 MODES = ["ddp", "zero", "fsdp"]

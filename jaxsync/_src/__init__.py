@@ -1,0 +1,1 @@
+"""jaxsync's implementation, one package per concept; ``jaxsync`` re-exports the API."""

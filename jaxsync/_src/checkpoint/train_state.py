@@ -1,0 +1,231 @@
+"""The whole :class:`jaxsync.TrainState` in one checkpoint, at any data-parallel size.
+
+``Checkpointer.save_state(train_step, state)`` saves every field of the state:
+the step counter, the params, the optimizer state, the model state (flax NNX
+batch statistics, RNG counters) and the guard state (loss scale, skip
+counters and the last step's metrics), in a form that does not depend on the
+number of data-parallel devices:
+
+- ``"ddp"``: everything is replicated already, saved as it is;
+- ``"zero"``: the distributed optimizer's portable form (per-param master and
+  moments; the loss scale and metrics are in it);
+- ``"fsdp"``: the flat unit shards, and every optimizer-state dict of them,
+  gathered into per-param arrays (fp32, without padding); with labels, each
+  label's state of its pieces as ``{param name: array}`` of that label's params.
+
+``Checkpointer.restore_state(train_step, state_like)`` rebuilds the state for
+the step's mesh, whatever its DP size, into the shardings of ``state_like``
+(the state ``train_step.init`` returns, or ``train_step.abstract_state``'s).
+What the checkpoint lacks is named, never re-initialised.
+
+A state of a step whose params are also sharded over other mesh axes (2-D,
+tensor parallelism by specs) is written in the same form as a 1-D step's
+(:mod:`spec_portable`): a checkpoint moves between ``data=8`` and
+``(data=4, model=2)`` in both directions.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from ..fsdp import shards as fsdp_global
+from ..step.train_state import TrainState
+from ..two_d import portable as spec_portable
+from .checksum import tree_checksums
+from .describe import describe_optimizer, optimizer_differences
+from .records import CheckpointMismatchError, compare_trees
+
+PyTree = Any
+
+#: The record's key for a whole-state checkpoint.
+WHOLE_STATE = "train_state"
+_VERSION = 1
+
+NOT_WHOLE_STATE = (
+    "checkpoint step {step} in {dir} was saved with `Checkpointer.save` (params and "
+    "optimizer state only), not `save_state`: restore it with `Checkpointer.restore`."
+)
+MODE_CHANGED = (
+    "checkpoint step {step} in {dir} holds a mode={saved!r} TrainState, and the step "
+    "restoring it has mode={now!r}. Restore with a step built with mode={saved!r}."
+)
+PARTS_MISSING = (
+    "checkpoint step {step} in {dir} does not hold the whole state this step needs "
+    "(saved vs now):\n{problems}\nNothing was re-initialised. Restore with the model, mode "
+    "and options the run was saved with (the data-parallel size may differ)."
+)
+
+
+class RestoredState(NamedTuple):
+    """What :meth:`Checkpointer.restore_state` returns."""
+
+    step: int
+    state: TrainState
+    extra: PyTree
+    meta: dict[str, Any]
+
+
+def _keys_to_data(tree: PyTree) -> PyTree:
+    """Typed PRNG keys (NNX RNG state) as their key data, which orbax can write."""
+    is_key = lambda x: jax.dtypes.issubdtype(getattr(x, "dtype", None), jax.dtypes.prng_key)  # noqa: E731
+    return jax.tree.map(lambda x: jax.random.key_data(x) if is_key(x) else x, tree)
+
+
+def _data_to_keys(tree: PyTree, like: PyTree) -> PyTree:
+    def one(x: Any, ref: Any) -> Any:
+        if jax.dtypes.issubdtype(ref.dtype, jax.dtypes.prng_key):
+            return jax.random.wrap_key_data(x, impl=jax.random.key_impl(ref))
+        return x
+
+    return jax.tree.map(one, tree, like)
+
+
+def to_portable(ts: Any, state: TrainState, fn: str) -> dict[str, Any]:
+    """``state`` as per-param arrays independent of the DP size."""
+    plan = ts._plan(state, fn)
+    params, opt, guard = state.params, state.opt_state, state.guard
+    if plan.dims is not None:
+        params, opt, guard = spec_portable.to_portable(ts, plan, state, fn)
+    elif ts.mode == "zero":
+        opt = plan.tx.to_portable(opt, params, ts.mesh)
+    elif ts.mode == "fsdp":
+        params = plan.fs.unshard(params, ts.mesh)
+        opt = fsdp_global.to_portable(plan.fs, opt, ts.mesh)
+    return {
+        "step": state.step,
+        "params": params,
+        "opt_state": opt,
+        "model_state": _keys_to_data(state.model_state),
+        "guard": {} if guard is None else guard,
+    }
+
+
+def portable_like(ts: Any, like: TrainState, fn: str) -> dict[str, Any]:
+    """The abstract form (``ShapeDtypeStruct``s with shardings) of :func:`to_portable`'s
+    result for ``like``, which may itself be abstract (``TrainStep.abstract_state``)."""
+    plan = ts._plan(like, fn)
+    sds = lambda x, s=None: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s or x.sharding)  # noqa: E731
+    params, opt = jax.tree.map(sds, like.params), jax.tree.map(sds, like.opt_state)
+    guard = {} if like.guard is None else jax.tree.map(sds, like.guard)
+    if plan.dims is not None:
+        params, opt, guard = spec_portable.portable_like(ts, plan, like, fn)
+    elif ts.mode == "zero":
+        opt = plan.tx.portable_shapes(like.params, ts.mesh)
+    elif ts.mode == "fsdp":
+        rep = NamedSharding(ts.mesh, P())
+        params = jax.tree.map(lambda t: jax.ShapeDtypeStruct(t.shape, jnp.float32, sharding=rep),
+                              plan.template)  # fmt: skip
+        opt = fsdp_global.portable_like(plan.fs, opt, plan.template, ts.mesh)
+    model_state = jax.tree.map(
+        lambda x: sds(jax.eval_shape(jax.random.key_data, x), x.sharding)
+        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else sds(x),
+        like.model_state,
+    )  # fmt: skip
+    return {
+        "step": sds(like.step),
+        "params": params,
+        "opt_state": opt,
+        "model_state": model_state,
+        "guard": guard,
+    }
+
+
+def from_portable(ts: Any, portable: dict[str, Any], like: TrainState, fn: str) -> TrainState:
+    """Inverse of :func:`to_portable` onto ``like``'s mesh and shardings."""
+    plan = ts._plan(like, fn)
+    params, opt = portable["params"], portable["opt_state"]
+    guard = None
+    if plan.dims is not None:
+        params, opt, guard = spec_portable.from_portable(ts, plan, portable, like)
+    elif ts.mode == "zero":
+        opt = plan.tx.from_portable(opt, params, ts.mesh)
+    elif ts.mode == "fsdp":
+        params = plan.fs.shard(params, ts.mesh)
+        opt = fsdp_global.from_portable(plan.fs, opt, plan.template, ts.mesh)
+    if guard is None and like.guard is not None:
+        guard = jax.tree.unflatten(
+            jax.tree.structure(like.guard), jax.tree.leaves(portable["guard"])
+        )
+    model_state = _data_to_keys(portable["model_state"], like.model_state)
+    state = TrainState(portable["step"], params, opt, model_state, guard)
+    state = jax.tree.unflatten(jax.tree.structure(like), jax.tree.leaves(state))
+    return jax.tree.map(lambda x, ref: jax.device_put(x, ref.sharding), state, like)
+
+
+def _described_tx(ts: Any, state: TrainState, fn: str) -> Any:
+    """The optimizer a checkpoint records: ZeRO's distributed optimizer (on a 2-D
+    mesh the one a 1-D step would build, whose portable form the state takes)."""
+    if ts.mode != "zero":
+        return None
+    plan = ts._plan(state, fn)
+    return plan.tx if plan.dims is None else spec_portable.zero_optimizer(ts)
+
+
+def save_state(
+    ckpt: Any,
+    ts: Any,
+    state: TrainState,
+    *,
+    step: int | None,
+    extra: PyTree,
+    meta: dict[str, Any] | None,
+) -> None:
+    fn = "Checkpointer.save_state"
+    portable = to_portable(ts, state, fn)
+    step = int(state.step) if step is None else step
+    step, meta = ckpt._check_save(step, meta)
+    tx = _described_tx(ts, state, fn)
+    tree = {**portable, "extra": extra or {}}
+    checks = {
+        "version": 1,
+        WHOLE_STATE: {"version": _VERSION, "mode": ts.mode},
+        "optimizer": describe_optimizer(tx, state.params, portable["opt_state"]),
+        "checksums": tree_checksums(tree),
+    }
+    ckpt._write(step, tree, meta, checks)
+
+
+def restore_state(
+    ckpt: Any,
+    ts: Any,
+    state_like: TrainState,
+    *,
+    step: int | None,
+    extra_like: PyTree,
+) -> RestoredState:
+    fn = "Checkpointer.restore_state"
+    step = ckpt._complete_step(step)
+    checks, saved = ckpt._record(step)
+    record = (checks or {}).get(WHOLE_STATE)
+    if record is None:
+        raise CheckpointMismatchError(NOT_WHOLE_STATE.format(step=step, dir=ckpt.directory))
+    if record.get("mode") != ts.mode:
+        raise CheckpointMismatchError(
+            MODE_CHANGED.format(
+                step=step, dir=ckpt.directory, saved=record.get("mode"), now=ts.mode
+            )
+        )
+    like = portable_like(ts, state_like, fn)
+    extra = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
+        extra_like or {},
+    )
+    target = {**like, "extra": extra}
+    tx = _described_tx(ts, state_like, fn)
+    changed = optimizer_differences(
+        checks.get("optimizer", {}), describe_optimizer(tx, state_like.params, like["opt_state"])
+    )
+    problems = compare_trees(saved, target) or changed
+    if problems:
+        raise CheckpointMismatchError(
+            PARTS_MISSING.format(step=step, dir=ckpt.directory, problems="\n".join(problems))
+        )
+    tree = ckpt._read(step, target, checks, saved)
+    meta = ckpt._read_json(step, "meta", "meta (JSON)")
+    state = from_portable(ts, tree, state_like, fn)
+    return RestoredState(step, state, tree["extra"], dict(meta or {}))

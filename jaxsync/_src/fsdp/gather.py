@@ -1,0 +1,87 @@
+"""The FSDP gather: all-gather a flat shard whose backward reduce-scatters into it.
+
+Also the mixed-precision policy that decides the dtypes of both directions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from ..core.axes import axes_size, to_varying
+from ..core.validate import check_bool, check_float_dtype
+
+PyTree = Any
+
+
+@dataclasses.dataclass(frozen=True)
+class MixedPrecision:
+    """FSDP2's mixed-precision policy.
+
+    Attributes:
+      param_dtype: dtype the params are gathered in and computed with.
+      reduce_dtype: dtype gradients are reduce-scattered (and all-reduced) in.
+      output_dtype: cast each unit's floating outputs to this (None: leave).
+      cast_forward_inputs: cast each unit's floating inputs to ``param_dtype``.
+    """
+
+    param_dtype: Any = jnp.float32
+    reduce_dtype: Any = jnp.float32
+    output_dtype: Any = None
+    cast_forward_inputs: bool = True
+
+    def __post_init__(self) -> None:
+        # An integer dtype here would truncate params or gradients silently.
+        check_float_dtype(self.param_dtype, "MixedPrecision.param_dtype")
+        check_float_dtype(self.reduce_dtype, "MixedPrecision.reduce_dtype")
+        check_float_dtype(self.output_dtype, "MixedPrecision.output_dtype", allow_none=True)
+        check_bool(self.cast_forward_inputs, "MixedPrecision.cast_forward_inputs")
+
+
+def cast_floats(tree: PyTree, dtype: Any) -> PyTree:
+    if dtype is None:
+        return tree
+    return jax.tree.map(
+        lambda x: (
+            x.astype(dtype)
+            if isinstance(x, jax.Array | jnp.ndarray) and jnp.issubdtype(x.dtype, jnp.floating)
+            else x
+        ),
+        tree,
+    )
+
+
+def reduce_shard(flat: jax.Array, axes: tuple[str, ...], replicate: tuple[str, ...]) -> jax.Array:
+    out = jax.lax.psum_scatter(flat, axes, scatter_dimension=flat.ndim - 1, tiled=True)
+    if replicate:
+        out = jax.lax.psum(out, replicate)
+    return out * (1.0 / axes_size(axes + replicate))
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
+def gather_shard(
+    shard: jax.Array, axes, replicate, param_dtype: str, reduce_dtype: str
+) -> jax.Array:
+    # Gathered as device-varying (over the replica axes too): typed replicated,
+    # JAX would psum its cotangent before our backward ever saw it (the implicit
+    # all-reduce), and the replica all-reduce would happen twice.
+    full = jax.lax.all_gather(shard.astype(param_dtype), axes, axis=shard.ndim - 1, tiled=True)
+    return to_varying(full, replicate) if replicate else full
+
+
+def gather_fwd(shard, axes, replicate, param_dtype, reduce_dtype):
+    # The residual only carries the shard's dtype (an empty array of it).
+    return gather_shard(shard, axes, replicate, param_dtype, reduce_dtype), jnp.zeros(
+        (0,), shard.dtype
+    )
+
+
+def gather_bwd(axes, replicate, param_dtype, reduce_dtype, like, ct):
+    return (reduce_shard(ct.astype(reduce_dtype), axes, replicate).astype(like.dtype),)
+
+
+gather_shard.defvjp(gather_fwd, gather_bwd)

@@ -1,0 +1,105 @@
+"""Loss and reduced shard gradients of an FSDP step, with gradient accumulation.
+
+``jax.grad`` with respect to the shards does the work (the gather's VJP
+reduce-scatters); here the loss is checked as in every mode, and microbatches
+are accumulated either shard by shard (one reduce-scatter per microbatch) or on
+gathered units (one reduce-scatter per step, more memory).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from ..core.axes import to_varying
+from ..step.checks import check_loss
+from ..sync.tap_rules import check_no_gather_under_cond
+from ..sync.views import call_with_views
+
+# The jaxsync.FullyShard whose method calls this: passed in, not imported (fsdp.py
+# imports this module).
+FullyShardT = Any
+
+
+
+def value_and_grad(
+    fs: FullyShardT,
+    loss_fn: Callable[..., Any],
+    shards: dict[str, jax.Array],
+    batch: Any,
+    *,
+    microbatches: int,
+    sync_grad_accum: bool,
+    has_aux: bool,
+) -> tuple[Any, dict[str, jax.Array]]:
+    """:meth:`FullyShard.value_and_grad`."""
+    check_microbatches(microbatches, batch)
+
+    # A views scope: an NNX loss merges fs.view(shards) with jaxsync.merge_module.
+    scoped = call_with_views(loss_fn, tuple(fs._layers), "FSDP's sharded layers")
+    loss_fn = _checked_loss(scoped, has_aux, fs.axes)
+    if microbatches == 1:
+        return jax.value_and_grad(loss_fn, has_aux=has_aux)(shards, batch)
+    mbs = split_microbatches(microbatches, batch)
+    if sync_grad_accum:
+        target, grad_fn = shards, jax.value_and_grad(loss_fn, has_aux=has_aux)
+    else:
+        # Local gradients of the gathered params (varying: no implicit psum).
+        target = to_varying(fs.gather_all(shards), fs.axes + fs.replicate_axes)
+        grad_fn = jax.value_and_grad(loss_fn, has_aux=has_aux)
+
+    def body(acc: Any, mb: Any) -> tuple[Any, Any]:
+        loss, g = grad_fn(target, mb)
+        return jax.tree.map(lambda a, x: a + x.astype(jnp.float32), acc, g), loss
+
+    loss0, g0 = grad_fn(target, jax.tree.map(lambda m: m[0], mbs))
+    acc = jax.tree.map(lambda x: x.astype(jnp.float32), g0)
+    acc, losses = jax.lax.scan(body, acc, jax.tree.map(lambda m: m[1:], mbs))
+    grads = jax.tree.map(lambda a: a / microbatches, acc)
+    if has_aux:
+        (loss0, _), (losses, aux) = loss0, losses
+    loss = (loss0 + jnp.sum(losses)) / microbatches
+    if not sync_grad_accum:
+        grads = fs.reduce_gathered(grads)
+    if has_aux:
+        return (loss, jax.tree.map(lambda a: a[-1], aux)), grads
+    return loss, grads
+
+
+def _checked_loss(loss_fn: Callable[..., Any], has_aux: bool, axes: Any) -> Callable[..., Any]:
+    """``loss_fn`` with the checks every mode makes of its loss (not yet averaged)."""
+
+    def checked(*args: Any) -> Any:
+        # Traced into a jaxpr, checked, and run from it (no second trace of the loss).
+        closed, shape = jax.make_jaxpr(loss_fn, return_shape=True)(*args)
+        check_no_gather_under_cond(closed.jaxpr, tuple(axes))
+        flat = jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *jax.tree.leaves(args))
+        out = jax.tree.unflatten(jax.tree.structure(shape), flat)
+        check_loss(out[0] if has_aux else out, tuple(axes), "fsdp", "FullyShard.value_and_grad")
+        return out
+
+    return checked
+
+
+def split_microbatches(microbatches: int, batch: Any) -> Any:
+    """``batch`` checked (:func:`check_microbatches`) and cut into ``microbatches``
+    equal slices of its rows: each leaf ``[microbatches, rows / microbatches, ...]``."""
+    check_microbatches(microbatches, batch)
+    return jax.tree.map(lambda x: x.reshape(microbatches, -1, *x.shape[1:]), batch)
+
+
+def check_microbatches(microbatches: Any, batch: Any) -> None:
+    """``microbatches``: a positive int dividing every batch leaf's leading axis."""
+    if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
+        raise ValueError(f"`microbatches` must be a positive int, got {microbatches!r}.")
+    for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]:
+        rows = x.shape[0] if getattr(x, "ndim", 0) else None
+        if microbatches > 1 and (rows is None or rows % microbatches):
+            raise ValueError(
+                f"`microbatches={microbatches}` must divide the leading (batch) axis of every "
+                f"batch leaf; leaf {jax.tree_util.keystr(path)} has shape "
+                f"{tuple(getattr(x, 'shape', ()))} on this device."
+            )

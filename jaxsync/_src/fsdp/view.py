@@ -1,0 +1,90 @@
+"""The params as an FSDP model reads them: gathered units, and stacked units left
+sharded as :class:`ShardedLayers` that :func:`jaxsync.tap` gathers layer by layer.
+
+So the model code is the same as for plain data parallelism:
+``loss_fn(fs.view(shards), batch)``, with the scanned layer body tapping its slice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+
+from ..core.names import param_name
+from ..sync.views import NOT_TAPPED
+
+PyTree = Any
+# The jaxsync.FullyShard whose method calls this: passed in, not imported (fsdp.py
+# imports this module).
+FullyShardT = Any
+
+
+@jax.tree_util.register_pytree_node_class
+class ShardedLayers:
+    """A stacked FSDP unit's ``[layers, shard]`` shard as the model sees it.
+
+    ``lax.scan`` slices it like any pytree; :func:`jaxsync.tap` on the slice
+    gathers that one layer (see :meth:`FullyShard.view`).
+    """
+
+    def __init__(self, shard: Any, fs: FullyShardT, unit: str):
+        self.shard, self.fs, self.unit = shard, fs, unit
+
+    def tree_flatten(self) -> tuple[tuple[Any], tuple[FullyShardT, str]]:
+        return (self.shard,), (self.fs, self.unit)
+
+    @classmethod
+    def tree_unflatten(cls, aux: tuple[FullyShardT, str], children: Any) -> ShardedLayers:
+        return cls(children[0], *aux)
+
+    holds_shards = True  # the model sees placeholders until the tap gathers a layer
+
+    def jaxsync_tap(self) -> PyTree:
+        """This layer's params, gathered from its shard (:func:`jaxsync.tap`)."""
+        return self.fs.gather_layer(self.shard, self.unit)
+
+    def __getitem__(self, key: Any) -> Any:
+
+        raise TypeError(NOT_TAPPED.format(group=self.unit))
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or name in ("shard", "fs", "unit"):
+            raise AttributeError(name)
+
+        raise TypeError(NOT_TAPPED.format(group=self.unit))
+
+
+def group_trees(params: PyTree, stacked: Sequence[str]) -> dict[str, tuple[Any, list[str]]]:
+    """Per stacked group: the treedef of its subtree and its leaves' full names."""
+    out: dict[str, tuple[Any, list[str]]] = {}
+
+    def grab(path: Any, sub: Any) -> Any:
+        name = param_name(path)
+        if name in stacked:
+            rel = jax.tree_util.tree_flatten_with_path(sub)[0]
+            names = [f"{name}.{param_name(p)}" if p else name for p, _ in rel]
+            out[name] = (jax.tree.structure(sub), names)
+        return sub
+
+    jax.tree_util.tree_map_with_path(
+        grab, params, is_leaf=lambda path, _: param_name(path) in stacked, is_leaf_takes_path=True
+    )
+    return out
+
+
+def view(fs: FullyShardT, shards: dict[str, Any], gathered: dict[str, Any], stacked: Any) -> PyTree:
+    """The params' tree: ``gathered[name]`` per param, a :class:`ShardedLayers` per
+    stacked group (``stacked``: its units)."""
+
+    def place(path: Any, x: Any) -> Any:
+        name = param_name(path)
+        return ShardedLayers(shards[name], fs, name) if name in stacked else gathered[name]
+
+    return jax.tree_util.tree_map_with_path(
+        place,
+        fs.template,
+        is_leaf=lambda path, _: param_name(path) in stacked,
+        is_leaf_takes_path=True,
+    )

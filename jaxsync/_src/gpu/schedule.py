@@ -1,0 +1,169 @@
+"""XLA's own model of a GPU step: modeled time, exposed communication, overlap.
+
+For a GPU program (compiled for a real GPU, or for compile-only devices from
+:func:`jaxsync.gpu_topology`), XLA's latency-hiding scheduler orders every
+computation against a cost model (the analytical speed-of-light estimator) and can
+dump what it decided: per instruction a modeled start and end time, and per
+computation its total time and the time each collective kind left exposed
+("wasted": nothing to overlap it with). :func:`schedule_report` compiles with that
+dump on and turns it into one step's figures:
+
+- a loop body is priced once per iteration (its trip count, nested loops
+  multiplied); an iteration XLA peeled out of a loop sits in the caller and is
+  counted there, once. A ``conditional`` costs its dearest branch.
+- The scheduler skips computations with nothing asynchronous in them (on
+  jax 0.10.2, e.g. the forward loop body of a ZeRO step); those are priced here
+  with a roofline of the target GPU (each kernel at the larger of its FLOPs at
+  peak tensor throughput and its operand + result bytes at peak memory
+  bandwidth), reported apart as ``roofline_us`` so the reader sees how much of
+  the figure is XLA's model and how much ours.
+
+These are models of a program, not measurements of a GPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import os
+import re
+import tempfile
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+
+from .read import read_schedule
+from .target import GPUS, GpuSpec
+from .timings import ScheduleReport
+
+# Turn the latency-hiding scheduler on, price with the analytical estimator, dump.
+# Matmuls go to cuBLAS: without a GPU, XLA cannot autotune Triton gemm tiles and
+# falls back to a placeholder tiling (16x8, 2 warps) that its cost model prices
+# at up to ~50x the tuned kernel (seen on jax 0.10.2), which would swamp the
+# step with an artefact of compiling without a device.
+SCHEDULE_OPTIONS: Mapping[str, Any] = {
+    "xla_gpu_enable_latency_hiding_scheduler": True,
+    "xla_gpu_enable_analytical_sol_latency_estimator": True,
+    "xla_dump_latency_hiding_schedule": True,
+    "xla_gpu_enable_triton_gemm": False,
+}
+# The collective flags of JAX's GPU performance guide: pipeline the loop-carried
+# collectives across iterations and combine small ones (thresholds in bytes).
+GPU_PERFORMANCE_OPTIONS: Mapping[str, Any] = {
+    "xla_gpu_enable_pipelined_all_gather": True,
+    "xla_gpu_enable_pipelined_reduce_scatter": True,
+    "xla_gpu_enable_pipelined_all_reduce": True,
+    "xla_gpu_enable_while_loop_double_buffering": True,
+    "xla_gpu_enable_highest_priority_async_stream": True,
+    "xla_gpu_all_gather_combine_threshold_bytes": 134217728,
+    "xla_gpu_reduce_scatter_combine_threshold_bytes": 134217728,
+    "xla_gpu_all_reduce_combine_threshold_bytes": 134217728,
+}
+
+_NO_SCHEDULE = (
+    "schedule_report: XLA wrote no latency-hiding schedule for this program. It needs a "
+    "GPU program (lower the step for a GPU mesh, e.g. jaxsync.gpu_topology('h100')) and an "
+    "XLA that knows `xla_dump_latency_hiding_schedule` (jaxlib {version} here); "
+    "the program's platform is {platform!r}."
+)
+
+
+def schedule_report(
+    lowered: Any,
+    *,
+    options: Mapping[str, Any] | None = None,
+    gpu: GpuSpec | str | None = None,
+    dump_dir: str | None = None,
+) -> ScheduleReport:
+    """Compiles ``lowered`` with XLA's schedule dump on and reads its model of the step.
+
+    Args:
+      lowered: a ``jax.stages.Lowered`` for a GPU (``jax.jit(f).lower(...)``,
+        :meth:`jaxsync.TrainStep.lower`).
+      options: extra XLA compile options, e.g. :data:`GPU_PERFORMANCE_OPTIONS`
+        (:data:`SCHEDULE_OPTIONS` are always added). An option this XLA does not
+        know is an error naming it.
+      gpu: the GPU for the roofline (a :class:`jaxsync.GpuSpec` or a key of
+        :data:`jaxsync.GPUS`); default: read off the program's target config.
+      dump_dir: keep XLA's dump here (default: a temporary directory).
+
+    Returns:
+      A :class:`ScheduleReport`.
+
+    Example:
+      >>> report = jaxsync.schedule_report(step.lower(state, batch))
+      >>> print(report.step_us, report.exposed_us)
+    """
+    return compile_scheduled(lowered, options=options, gpu=gpu, dump_dir=dump_dir)[1]
+
+
+def compile_scheduled(
+    lowered: Any,
+    *,
+    options: Mapping[str, Any] | None = None,
+    gpu: GpuSpec | str | None = None,
+    dump_dir: str | None = None,
+) -> tuple[Any, ScheduleReport]:
+    """:func:`schedule_report`, and the executable it modeled (to run it on real GPUs
+    and set its measured step beside the model: ``benchmarks/bench_gpu_real.py``)."""
+    if not hasattr(lowered, "compile"):
+        raise TypeError(
+            "schedule_report needs a `jax.stages.Lowered` (jax.jit(f).lower(...) or "
+            f"TrainStep.lower(...)), got {type(lowered).__name__}."
+        )
+    opts = {**SCHEDULE_OPTIONS, **(options or {})}
+    with tempfile.TemporaryDirectory() as tmp:
+        where = dump_dir or tmp
+        compiled = _compile(lowered, {**opts, "xla_dump_to": where})
+        files = sorted(glob.glob(os.path.join(where, "*.schedule.txt")), key=os.path.getmtime)
+        if not files:
+            platform = getattr(getattr(compiled, "_executable", None), "platform", "?")
+            raise RuntimeError(_NO_SCHEDULE.format(version=jax.__version__, platform=platform))
+        with open(files[-1]) as f:
+            text = f.read()
+        spec = _gpu(gpu, where)
+    report = read_schedule(text, compiled.memory_analysis(), spec)
+    return compiled, dataclasses.replace(report, hlo_text=compiled.as_text())
+
+
+def _compile(lowered: Any, options: dict[str, Any]) -> Any:
+    # A program loaded from the persistent compilation cache is not compiled, so
+    # XLA would dump no schedule: compile this one afresh.
+    cached = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    try:
+        return lowered.compile(compiler_options=options)
+    except Exception as e:  # jax raises JaxRuntimeError; keep its text
+        m = re.search(r"No such compile option: '([\w.]+)'", str(e))
+        if m is None:
+            raise
+        raise ValueError(
+            f"XLA option `{m.group(1)}` is not known to this XLA (jaxlib {jax.__version__}); "
+            "flag names change across releases: drop it or rename it for this version."
+        ) from e
+    finally:
+        jax.config.update("jax_enable_compilation_cache", cached)
+
+
+def _gpu(gpu: GpuSpec | str | None, dump: str) -> GpuSpec:
+    if isinstance(gpu, GpuSpec):
+        return gpu
+    if isinstance(gpu, str):
+        if gpu not in GPUS:
+            raise ValueError(f"`gpu` must be one of {sorted(GPUS)} or a GpuSpec, got {gpu!r}.")
+        return GPUS[gpu]
+    name = ""
+    for path in glob.glob(os.path.join(dump, "*gpu_target_config.pbtxt")):
+        with open(path) as f:
+            m = re.search(r'device_description_str: "([^"]*)"', f.read())
+        name = m.group(1) if m else name
+    by_name = {s.name: s for s in GPUS.values()}
+    if name not in by_name:
+        raise ValueError(
+            f"schedule_report: the program targets {name or 'an unknown GPU'!r}, which has no "
+            f"jaxsync.GpuSpec; pass `gpu=` (a key of {sorted(GPUS)} or your own GpuSpec)."
+        )
+    return by_name[name]
+
+

@@ -1,0 +1,158 @@
+"""TODO(optimizer_checks): split from checks."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+
+from ..core.validate import check_bool, check_float_dtype, check_positive
+from ..deterministic.units import UnitGrads
+from ..layout.layout import Layout
+from ..sync.checks import (
+    check_grads_match_rules,
+    check_local_grads,
+    check_params_replicated,
+    check_rules,
+)
+from .state import DistributedOptimizerState, ShardedGrads
+
+PyTree = Any
+
+
+STATE_MISMATCH = (
+    "{fn}: `state` does not match the layout of these params: {detail}. Was the state "
+    "built with another `bucket_size`, other `param_specs`, another mesh or another "
+    "inner optimizer? Build it with this optimizer's `tx.sharded_init(params, mesh)` "
+    "(or `tx.init` inside the same shard_map)."
+)
+def check_state(state: Any, layout: Layout, expected: Any, fn: str) -> None:
+    """Compares the optimizer state with the one ``layout`` gives (shapes and trees).
+
+    Args:
+      state: what the user passed.
+      layout: the layout of the params passed with it.
+      expected: ``jax.eval_shape`` of the state this layout gives.
+      fn: names the caller in the message.
+    """
+    if not isinstance(state, DistributedOptimizerState):
+        raise TypeError(
+            f"{fn}: `state` must be the DistributedOptimizerState from this optimizer's "
+            f"`init`/`sharded_init`, got {type(state).__name__}."
+        )
+
+    def fail(detail: str) -> None:
+        raise ValueError(STATE_MISMATCH.format(fn=fn, detail=detail))
+
+    if len(state.master) != len(expected.master):
+        fail(
+            f"state.master has {len(state.master)} buffers, the layout has "
+            f"{len(expected.master)} ({', '.join(_key_text(b.key) for b in layout.buffers)})"
+        )
+    for bi, (m, e) in enumerate(zip(state.master, expected.master, strict=True)):
+        if tuple(np.shape(m)) != e.shape:
+            fail(
+                f"state.master[{bi}] has {int(np.prod(np.shape(m)))} elements per rank, the "
+                f"layout for these params and bucket_size={layout.bucket_size} has "
+                f"{e.shape[0]} ({_key_text(layout.buffers[bi].key)})"
+            )
+    if len(state.inner_state) != len(expected.inner_state):
+        fail(
+            f"state.inner_state has {len(state.inner_state)} buffers, the layout has "
+            f"{len(expected.inner_state)}"
+        )
+    for bi, (s, e) in enumerate(zip(state.inner_state, expected.inner_state, strict=True)):
+        got, want = jax.tree.structure(s), jax.tree.structure(e)
+        if got != want:
+            fail(
+                f"state.inner_state[{bi}] has structure {got}, but the inner optimizer makes {want}"
+            )
+        for (path, a), b in zip(
+            jax.tree_util.tree_flatten_with_path(s)[0], jax.tree.leaves(e), strict=True
+        ):
+            if tuple(np.shape(a)) != b.shape:
+                fail(
+                    f"state.inner_state[{bi}]{jax.tree_util.keystr(path)} has shape "
+                    f"{tuple(np.shape(a))}, expected {b.shape}"
+                )
+    for name, a, b in zip(state.metrics._fields, state.metrics, expected.metrics, strict=True):
+        if tuple(np.shape(a)) != b.shape:
+            fail(f"state.metrics.{name} has shape {tuple(np.shape(a))}, expected {b.shape}")
+
+
+def _key_text(key: Any) -> str:
+    parts = [key.dtype, f"axes={key.axes}"]
+    if key.label is not None:
+        parts.append(f"label={key.label!r}")
+    return " ".join(parts)
+
+
+# ------------------------------------------------------ distributed optimizer
+def check_optimizer_args(
+    clip_grad_norm: Any, reduce_dtype: Any, check_elementwise: Any, rules: Any
+) -> float | None:
+    """Arguments of :func:`jaxsync.distributed_optimizer`; returns ``clip_grad_norm``."""
+    check_rules(rules)
+    check_float_dtype(reduce_dtype, "reduce_dtype")
+    check_bool(check_elementwise, "check_elementwise")
+    return check_positive(clip_grad_norm, "clip_grad_norm")
+
+
+def check_update(
+    grads: PyTree | None, state: Any, params: PyTree, layout: Layout, plan: Any, fn: str
+) -> None:
+    """Trace-time checks of the distributed optimizer's ``init`` (grads and state
+    None) and ``update``: params replicated over their buffer's data axes, grads
+    local and reduced by the rules this optimizer has, the state built for this
+    layout."""
+    check_params_replicated(params, layout, fn)
+    if grads is None:
+        return
+    local = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), params)
+    expected = jax.eval_shape(lambda p: plan.init_for_rank(p, layout, lambda _: 0), local)
+    check_state(state, layout, expected, fn)
+
+    if isinstance(grads, ShardedGrads | UnitGrads):
+        # ShardedGrads: reduced inside the step by value_and_grad(sync=tx), shapes
+        # checked there; UnitGrads: checked by the deterministic update.
+        return
+    layout.check_tree(grads, "grads")
+    check_local_grads(
+        grads,
+        layout,
+        fn,
+        axis_name=plan.axes if len(plan.axes) > 1 else plan.axes[0],
+        rules=plan.rules,
+    )
+    check_grads_match_rules(grads, params, layout, fn)
+
+
+def check_labels(params: PyTree, labels: PyTree, inner: Any) -> None:
+    """``labels``: one label string per param, each a key of ``inner``."""
+    is_none = lambda x: x is None  # noqa: E731
+    want = jax.tree.structure(params)
+    got = jax.tree.structure(labels, is_leaf=is_none)
+    if want != got:
+        raise ValueError(
+            "`labels` must have the structure of the params (one label string per "
+            f"param).\n  params: {want}\n  labels: {got}"
+        )
+    names = set()
+    for (path, _), lab in zip(
+        jax.tree_util.tree_flatten_with_path(params)[0],
+        jax.tree.leaves(labels, is_leaf=is_none),
+        strict=True,
+    ):
+        if not isinstance(lab, str):
+            raise TypeError(
+                f"the label of param {jax.tree_util.keystr(path)} is {lab!r}; every param "
+                f"needs a label string, one of the keys of `inner`: {sorted(inner)}."
+            )
+        names.add(lab)
+    missing = sorted(names - set(inner))
+    if missing:
+        raise ValueError(
+            f"`labels` uses {missing}, which `inner` has no transformation for; "
+            f"`inner` has keys {sorted(inner)}."
+        )

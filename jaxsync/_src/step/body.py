@@ -1,0 +1,96 @@
+"""The per-device body of :func:`jaxsync.train_step`, one function per mode.
+
+Each runs inside the step's ``jax.shard_map`` and composes the public pieces a
+hand-written step would: :func:`jaxsync.value_and_grad` or
+:func:`jaxsync.accumulate_grads` (with ``sync=`` for stacked groups), then the
+distributed optimizer (``"zero"``), :func:`jaxsync.all_reduce_grads` and a
+replicated optax update (``"ddp"``), or ``FullyShard.value_and_grad`` and an
+optax update of the shards (``"fsdp"``). ``cfg`` is the :class:`TrainStep`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax.numpy as jnp
+
+from ..deterministic.exact import nonfinite_flags
+from ..fsdp.grad import split_microbatches
+from ..sync.grad_sync import accumulate_grads, all_reduce_grads, value_and_grad
+from ..sync.scan_sync import DataParallel
+from ..two_d.body import spec_body
+from .parts import Plan, finish, loss_of, mean_loss, settle, unscale
+from .train_state import TrainState, global_stats, padding_of
+
+
+def per_device(cfg: Any, plan: Plan, state: TrainState, batch: Any) -> tuple[TrainState, Any]:
+    """One step on this device's rows: ``(new state, loss averaged over devices)``."""
+    if plan.dims is not None:
+        return spec_body(cfg, plan, state, batch)
+    body = {"zero": zero_body, "ddp": ddp_body, "fsdp": fsdp_body}[cfg.mode]
+    return body(cfg, plan, state, batch)
+
+
+def grads_of(cfg: Any, plan: Plan, state: TrainState, batch: Any, sync: Any) -> tuple[Any, Any]:
+    loss = loss_of(cfg, plan, state)
+    rules = None if sync is not None else cfg.rules
+    if cfg.microbatches == 1:
+        vg = value_and_grad(
+            loss, axis_name=cfg.axis_name, rules=rules, sync=sync, has_aux=True,
+            deterministic=cfg.deterministic,
+        )  # fmt: skip
+        return vg(state.params, batch)
+    mbs = split_microbatches(cfg.microbatches, batch)
+    return accumulate_grads(
+        loss, state.params, mbs, axis_name=cfg.axis_name, rules=rules, sync=sync, has_aux=True
+    )
+
+
+def zero_body(cfg: Any, plan: Plan, state: TrainState, batch: Any) -> tuple[TrainState, Any]:
+    tx = plan.tx
+    (loss, rest), grads = grads_of(cfg, plan, state, batch, tx if cfg.stacked else None)
+    params, opt_state = tx.apply_gradients(grads, state.opt_state, state.params)
+    finite = jnp.logical_not(opt_state.metrics.skipped)
+    new = state._replace(
+        step=state.step + finite.astype(jnp.int32),
+        params=params,
+        opt_state=opt_state,
+        model_state=settle(rest, state.model_state, finite),
+    )
+    return new, mean_loss(cfg, loss, state)
+
+
+def ddp_body(cfg: Any, plan: Plan, state: TrainState, batch: Any) -> tuple[TrainState, Any]:
+    sync = None
+    if cfg.stacked:
+        sync = DataParallel(
+            cfg.axis_name, bucket_size=cfg.bucket_size, reduce_dtype=cfg.reduce_dtype,
+            rules=cfg.rules, stacked=cfg.stacked,
+        )  # fmt: skip
+    (loss, rest), local = grads_of(cfg, plan, state, batch, sync)
+    grads = local
+    if sync is None:
+        grads = all_reduce_grads(
+            local, axis_name=cfg.axis_name, bucket_size=cfg.bucket_size,
+            reduce_dtype=cfg.reduce_dtype, rules=cfg.rules, deterministic=cfg.deterministic,
+        )  # fmt: skip
+    grads = unscale(grads, state.loss_scale.scale)
+    # Deterministic: per-device flags would depend on the DP size; flag units, as ZeRO.
+    units = nonfinite_flags(local) if cfg.deterministic is not None else None
+    flags = grads if units is not None else local
+    return finish(cfg, plan, state, grads, flags, global_stats(grads), loss, rest, units)
+
+
+def fsdp_body(cfg: Any, plan: Plan, state: TrainState, batch: Any) -> tuple[TrainState, Any]:
+    fs = plan.fs
+    loss = loss_of(cfg, plan, state)
+    (loss, rest), grads = fs.value_and_grad(
+        lambda shards, b: loss(fs.view(shards), b),
+        state.params,
+        batch,
+        microbatches=cfg.microbatches,
+        has_aux=True,
+    )
+    grads = unscale(grads, state.loss_scale.scale)
+    stats = global_stats(grads, fs.axes, padding_of([fs.layout(u) for u in fs.units]))
+    return finish(cfg, plan, state, grads, grads, stats, loss, rest)

@@ -1,0 +1,156 @@
+"""TODO(step_parts): split from step_body."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from ..core.axes import varying_axes
+from ..sync.views import is_view, trace_views
+from .checks import check_loss
+from .nnx_bridge import ModelDef
+from .train_state import GuardState, TrainState, guarded_update
+
+PyTree = Any
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Plan:
+    """What one ``TrainStep.init`` fixed: optimizer, FSDP units, specs, jitted step."""
+
+    model: ModelDef | None
+    template: PyTree  # the params' ShapeDtypeStructs (global)
+    tx: Any
+    fs: Any
+    specs: TrainState
+    fn: Callable[..., Any]
+    dims: Any = None  # a spec_step.SpecLayout when params are sharded over other axes
+
+
+def loss_of(cfg: Any, plan: Plan, state: TrainState) -> Callable[[Any, Any], Any]:
+    """``(params view, batch) -> (scaled local loss, model state after the call)``,
+    merging an NNX module if any (the model state of a pytree loss is ``{}``)."""
+    scale = state.loss_scale.scale
+
+    def loss(params: Any, batch: Any) -> tuple[jax.Array, Any]:
+        with trace_views():
+            if plan.model is None:
+                out, rest = cfg.loss_fn(params, batch), state.model_state
+            else:
+                plain, views = split_views(params, cfg.stacked, plan.template)
+                model = plan.model.merge(plain, state.model_state, views)
+                out = cfg.loss_fn(model, batch)
+                rest = model_state_of(model)
+        if not hasattr(out, "shape") or out.shape != ():
+            raise ValueError(
+                f"`loss_fn` must return a scalar loss (the mean over this device's rows), "
+                f"got {type(out).__name__} of shape {getattr(out, 'shape', None)}. Reduce "
+                "it with jnp.mean; return aux values through the model or params instead."
+            )
+        check_loss(out, cfg.axis_name, cfg.mode, "jaxsync.train_step")
+        return out * scale.astype(out.dtype), rest
+
+    return loss
+
+
+def finish(
+    cfg: Any,
+    plan: Plan,
+    state: TrainState,
+    grads: Any,
+    flags: Any,
+    stats: Any,
+    loss: Any,
+    rest: Any,
+    unit_flags: Any = None,
+) -> tuple[TrainState, Any]:
+    params, opt_state, scale, metrics, finite = guarded_update(
+        state, plan.tx, grads, flags, stats,
+        clip_grad_norm=cfg.clip_grad_norm, loss_scale=cfg.loss_scale, unit_flags=unit_flags,
+    )  # fmt: skip
+    new = TrainState(
+        state.step + finite.astype(jnp.int32), params, opt_state,
+        settle(rest, state.model_state, finite), GuardState(scale, metrics),
+    )  # fmt: skip
+    return new, mean_loss(cfg, loss, state)
+
+
+def model_state_of(model: Any) -> Any:
+    """An NNX module's state besides its ``nnx.Param``s, as a pure dict."""
+    from flax import nnx
+
+    return nnx.to_pure_dict(nnx.split(model, nnx.Param, ...)[2])
+
+
+def settle(new: Any, old: Any, finite: jax.Array) -> Any:
+    """The model state after a step, the same on every device.
+
+    Floats that differ between devices (statistics of each device's rows) are
+    averaged, integers (counters) take their maximum; on a skipped step float
+    state stays as it was, so NaNs never reach it.
+    """
+
+    def one(x: Any, before: Any) -> Any:
+        axes = tuple(sorted(varying_axes(x)))
+        floating = jnp.issubdtype(x.dtype, jnp.floating)
+        if axes and floating:
+            x = jax.lax.pmean(x, axes)
+        elif axes and jnp.issubdtype(x.dtype, jnp.integer):
+            x = jax.lax.pmax(x, axes)
+        elif axes:
+            raise ValueError(
+                f"the model's state leaf of dtype {x.dtype} differs between devices after "
+                f"the step (it varies over {axes}); only float (averaged) and integer "
+                "(maximum) model state can be kept replicated. Keep it in the params, or "
+                "use the explicit shard_map path."
+            )
+        return jnp.where(finite, x, before) if floating else x
+
+    return jax.tree.map(one, new, old)
+
+
+def mean_loss(cfg: Any, loss: jax.Array, state: TrainState) -> jax.Array:
+    """The loss averaged over the data axes, and over any other axis it varies
+    over (a sequence-parallel loss computed piecewise over ``"tensor"``)."""
+    loss = loss / state.loss_scale.scale.astype(loss.dtype)
+    if cfg.deterministic is not None:  # already the exact global mean, on every device
+        bad = jax.lax.pmax(jnp.logical_not(jnp.isfinite(loss)).astype(jnp.int32), cfg.axis_name)
+        loss = jax.lax.pmax(loss, cfg.axis_name)
+        # A skipped step: NaN, one bit pattern, at every N (its fixed-point sum is
+        # no number: pmax would pick -inf at some sizes and NaN at others).
+        return jnp.where(bad > 0, jnp.asarray(jnp.nan, loss.dtype), loss)
+    extra = tuple(a for a in sorted(varying_axes(loss)) if a not in cfg.axis_name)
+    loss = jax.lax.pmean(loss, cfg.axis_name + extra)
+    return jnp.where(jnp.isnan(loss), jnp.asarray(jnp.nan, loss.dtype), loss)  # one NaN
+
+
+def unscale(grads: Any, scale: jax.Array) -> Any:
+    return jax.tree.map(lambda g: (g.astype(jnp.float32) / scale).astype(g.dtype), grads)
+
+
+def split_views(params: Any, stacked: Sequence[str], template: Any) -> tuple[Any, dict]:
+    """Replaces each stacked group's view in ``params`` (a nested dict) by plain values.
+
+    A :class:`LayerStack` gives its params (arrays); FSDP's sharded layers give
+    ``ShapeDtypeStruct`` placeholders, which fail loudly if read outside
+    :func:`jaxsync.scan_layers`. Returns the plain dict and ``{group: view}``.
+    """
+    views: dict[str, Any] = {}
+    if not stacked:
+        return params, views
+
+    def walk(node: Any, tmpl: Any, prefix: str) -> Any:
+        if is_view(node):
+            views[prefix] = node
+            return tmpl if node.holds_shards else node.params
+        if isinstance(node, dict):
+            return {
+                k: walk(v, tmpl[k], f"{prefix}.{k}" if prefix else str(k)) for k, v in node.items()
+            }
+        return node
+
+    return walk(params, template, ""), views

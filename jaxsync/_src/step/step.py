@@ -1,0 +1,400 @@
+"""A whole data-parallel training step from a loss, an optax optimizer and a mesh.
+
+Every jaxsync user otherwise writes the same thirty lines: the optimizer
+wrapper, sharded init, ``jax.jit(jax.shard_map(..., in_specs=..., out_specs=...))``
+with the state's specs, donation, batch placement (and its microbatch layout),
+``jaxsync.value_and_grad`` or ``accumulate_grads`` with the right ``sync``, and a
+``pmean`` of the loss for logging; NNX users also split and merge their module.
+:func:`train_step` writes them once, for the three modes:
+
+- ``"ddp"``: replicated optax state, bucketed all-reduce of local gradients.
+- ``"zero"``: :func:`jaxsync.distributed_optimizer` (ZeRO-1/2).
+- ``"fsdp"``: :func:`jaxsync.fully_shard` (ZeRO-3), the model reading
+  ``fs.view(shards)``.
+
+The explicit ``shard_map`` path stays: the builder composes the same public
+functions and adds no numerics of its own beyond DDP/FSDP clipping, skipping
+and loss scaling (the distributed optimizer's arithmetic).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from ..core.names import group_of, param_name
+from ..core.specs import full_spec
+from ..deterministic.units import Deterministic
+from ..fsdp.fully_shard import fully_shard
+from ..fsdp.gather import MixedPrecision
+from ..multihost.data import place_batch
+from ..optim.loss_scale import LossScale, init_loss_scale
+from ..optim.optimizer import distributed_optimizer
+from ..optim.portable import signature
+from ..optim.state import initial_metrics
+from ..sync.finalize import SyncRules
+from ..two_d.plan import make_state, project, spec_layout, spec_master, spec_params
+from .body import per_device
+from .checks import (
+    check_deterministic_state,
+    check_float_params,
+    check_param_shardings,
+    check_processes_at_init,
+    check_processes_first_step,
+    check_state_alive,
+    check_state_mesh,
+)
+from .nnx_bridge import is_graphdef, is_module, merge_split, split_model
+from .parts import Plan
+from .train_state import GuardState, TrainState
+from .xla_options import step_compiler_options
+
+PyTree = Any
+MODES = ("ddp", "zero", "fsdp")
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class TrainStep:
+    """A jitted data-parallel training step; build it with :func:`train_step`.
+
+    ``init(params_or_module)`` returns the global, sharded :class:`TrainState`;
+    ``step(state, batch)`` returns ``(state, loss)`` (the loss averaged over the
+    data-parallel devices). The state is donated: use the returned one.
+    """
+
+    loss_fn: Callable[..., Any]
+    tx: optax.GradientTransformation
+    mesh: Mesh
+    mode: str
+    axis_name: tuple[str, ...]
+    microbatches: int
+    rules: SyncRules | None
+    stacked: tuple[str, ...]
+    clip_grad_norm: float | None
+    loss_scale: LossScale
+    bucket_size: int | None
+    reduce_dtype: Any
+    units: tuple[str, ...] | None
+    policy: MixedPrecision | None
+    reshard_after_forward: bool
+    donate: bool
+    deterministic: Deterministic | None
+    labels: Any
+    _plans: dict[Any, Plan] = dataclasses.field(default_factory=dict, repr=False)
+    _stepped: list[bool] = dataclasses.field(default_factory=list, repr=False)
+
+    # ------------------------------------------------------------------ init
+    def init(self, params: Any, *nnx_states: Any) -> TrainState:
+        """The initial global state from ``params`` (a pytree of arrays) or an ``nnx.Module``.
+
+        A module (or ``graphdef, *states`` from ``nnx.split``) is split into its
+        ``nnx.Param`` values (trained) and the rest of its state
+        (``state.model_state``, kept as the model updates it); the loss function
+        then receives the merged module.
+        """
+        model, params, rest = self._split(params, nnx_states, "TrainStep.init")
+        check_processes_at_init(self, params, rest)
+        # Copies: the step donates the state, which must never delete the caller's
+        # arrays (or the module's, for an nnx.Module). Params the compiler shards
+        # over other axes keep their sharding (copied by spec_step.make_state).
+        layout = spec_layout(self, params)
+        if layout is not None:
+            rest = _replicated_copy(rest, self.mesh)
+        else:
+            params, rest = _replicated_copy((params, rest), self.mesh)
+        state, plan = self._make(model, params, rest, layout)
+        state = _distinct(state)
+        self._register(state, plan)
+        return state
+
+    def abstract_state(self, params: Any, *nnx_states: Any) -> TrainState:
+        """The state ``init`` would return, as ``jax.ShapeDtypeStruct``s with shardings.
+
+        ``params`` may hold ``jax.ShapeDtypeStruct`` leaves (or be an abstract
+        module from ``nnx.eval_shape``): nothing is allocated, so a step for a mesh
+        of compile-only devices (:func:`jaxsync.gpu_topology`) or for a model too
+        large for this machine can be lowered with :meth:`lower`, compiled, and
+        read (:func:`jaxsync.schedule_report`, ``memory_analysis()``).
+        """
+        model, params, rest = self._split(params, nnx_states, "TrainStep.abstract_state")
+        built: dict[str, Plan] = {}
+        layout = spec_layout(self, params)  # from the shardings, before tracing drops them
+
+        def make(params: PyTree, rest: PyTree) -> TrainState:
+            state, built["plan"] = self._make(model, params, rest, layout)
+            return state
+
+        shapes = jax.eval_shape(make, params, rest)
+        plan = built["plan"]
+        state = jax.tree.map(
+            lambda x, spec: jax.ShapeDtypeStruct(
+                x.shape, x.dtype, sharding=NamedSharding(self.mesh, full_spec(spec, x.ndim))
+            ),
+            shapes, plan.specs,
+        )  # fmt: skip
+        self._register(state, plan)
+        return state
+
+    def _split(self, params: Any, nnx_states: tuple, fn: str) -> tuple[Any, PyTree, PyTree]:
+        """``(model definition or None, params, rest of the model state)``, checked."""
+        model, rest = None, {}
+        if nnx_states or is_graphdef(params):
+            params = merge_split(params, nnx_states)
+        if is_module(params):
+            model, params, rest = split_model(params)
+        leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+        bad = [param_name(p) for p, x in leaves if not hasattr(x, "dtype")]
+        if not leaves or bad:
+            what = "it is empty" if not leaves else f"leaves {bad[:4]} are not arrays"
+            raise TypeError(
+                f"{fn}: `params` must be a non-empty pytree of arrays or an nnx.Module; {what}."
+            )
+        check_float_params(params, self.mode, fn)
+        check_param_shardings(params, self, fn)
+        check_deterministic_state(self.deterministic, rest, self.mode, fn)
+        return model, params, rest
+
+    def _make(
+        self, model: Any, params: PyTree, rest: PyTree, layout: Any = None
+    ) -> tuple[TrainState, Plan]:
+        """The state and its plan from replicated ``params`` (traceable: no host reads);
+        with ``layout`` (params sharded over other axes) the 2-D state of :mod:`spec_step`."""
+        if layout is not None:
+            state, specs, tx, dims = make_state(self, params, rest, layout)
+            return state, Plan(model, _template(params), tx, None, specs, None, dims)  # type: ignore[arg-type]
+        mesh, axes, rep = self.mesh, self.axis_name, NamedSharding(self.mesh, P())
+        n_leaves = len(jax.tree.leaves(params))
+        template = _template(params)
+        fs, tx = None, self.tx
+        if self.mode == "zero":
+            tx = distributed_optimizer(
+                self.tx, axis_name=axes, bucket_size=self.bucket_size,
+                reduce_dtype=self.reduce_dtype, clip_grad_norm=self.clip_grad_norm,
+                loss_scale=self.loss_scale, rules=self.rules, stacked=self.stacked or None,
+                deterministic=self.deterministic, labels=self.labels,
+            )  # fmt: skip
+            opt_state = tx.sharded_init(params, mesh)
+            opt_specs = tx.state_specs(params, mesh)
+            param_specs, held, n_flags = jax.tree.map(lambda _: P(), params), params, n_leaves
+        elif self.mode == "ddp":
+            init = jax.shard_map(self.tx.init, mesh=mesh, in_specs=(P(),), out_specs=P())
+            opt_state = jax.jit(init)(params)
+            opt_specs = jax.tree.map(lambda _: P(), opt_state)
+            param_specs, held, n_flags = jax.tree.map(lambda _: P(), params), params, n_leaves
+        else:
+            fs = fully_shard(
+                params, axis_name=axes, units=self.units or _default_units(params, self.stacked),
+                mesh=mesh, policy=self.policy, reshard_after_forward=self.reshard_after_forward,
+                stacked=self.stacked or None, labels=self.labels,
+            )  # fmt: skip
+            held = fs.shard(params)
+            tx = self.tx if self.labels is None else fs.multi_transform(self.tx)
+            opt_state, opt_specs = fs.init_optimizer(tx, held, mesh)
+            param_specs, n_flags = fs.specs(), len(fs.units)
+        guard = None
+        if self.mode != "zero":
+            guard = jax.device_put(
+                GuardState(init_loss_scale(self.loss_scale), initial_metrics(n_flags)), rep
+            )
+        state = TrainState(
+            step=jax.device_put(jnp.zeros((), jnp.int32), rep),
+            params=held,
+            opt_state=opt_state,
+            model_state=rest,
+            guard=guard,
+        )
+        specs = TrainState(
+            step=P(), params=param_specs, opt_state=opt_specs,
+            model_state=jax.tree.map(lambda _: P(), rest),
+            guard=jax.tree.map(lambda _: P(), guard),
+        )  # fmt: skip
+        return state, Plan(model, template, tx, fs, specs, None)  # type: ignore[arg-type]
+
+    def _register(self, state: TrainState, plan: Plan) -> None:
+        object.__setattr__(plan, "fn", self._build(plan))
+        self._plans[signature(state)] = plan
+
+    # ------------------------------------------------------------------ step
+    def __call__(self, state: TrainState, batch: PyTree) -> tuple[TrainState, jax.Array]:
+        """One step on the global ``batch`` (host arrays are fine): ``(state, loss)``."""
+        check_state_alive(state, "TrainStep.__call__")
+        check_state_mesh(state, self.mesh, "TrainStep.__call__")
+        plan = self._plan(state, "TrainStep.__call__")
+        placed = self.place(batch)
+        if not self._stepped:  # once: every process takes its first step together
+            check_processes_first_step(self, state, batch)
+            self._stepped.append(True)
+        return plan.fn(state, placed)
+
+    def lower(self, state: TrainState, batch: PyTree) -> Any:
+        """The step lowered for ``state`` and ``batch`` (``.compile()``, then e.g.
+        :func:`jaxsync.overlap_report` or ``.memory_analysis()``)."""
+        return self._plan(state, "TrainStep.lower").fn.lower(state, self.place(batch))
+
+    def place(self, batch: PyTree) -> PyTree:
+        """``batch`` sharded over the data axes (rows per device must split into
+        ``microbatches``); what ``__call__`` does to its batch. With several
+        processes each passes its own rows, as for :func:`jaxsync.shard_batch`.
+
+        A leaf already placed with its rows split over the data axes and then
+        other axes (``P(("data", "expert"))``, for a model the compiler shards
+        over ``"expert"``) keeps that sharding; see :func:`rows_kept`.
+        """
+        return place_batch(batch, self.mesh, self.axis_name, self.microbatches)
+
+    def _plan(self, state: Any, fn: str) -> Plan:
+        if not isinstance(state, TrainState):
+            raise TypeError(
+                f"{fn}: `state` must be the TrainState from `init`, got {type(state).__name__}."
+            )
+        plan = self._plans.get(signature(state))
+        if plan is None:
+            raise ValueError(
+                f"{fn}: this state's structure, shapes or shardings match no `init` of this "
+                "TrainStep. Build the state with `step.init(params_or_module)` (a restored "
+                "state too: restore into the state `init` returns)."
+            )
+        return plan
+
+    def _build(self, plan: Plan) -> Callable[..., Any]:
+        axes = self.axis_name
+        data = axes if len(axes) > 1 else axes[0]
+        donate = (0,) if self.donate else ()
+        step = lambda state, batch: per_device(self, plan, state, batch)  # noqa: E731
+        if plan.dims is None:
+            body = jax.shard_map(
+                step, mesh=self.mesh, in_specs=(plan.specs, P(data)), out_specs=(plan.specs, P())
+            )
+            return jax.jit(
+                body, donate_argnums=donate,
+                compiler_options=step_compiler_options(self.mode, two_d=False),
+            )  # fmt: skip
+        # Manual over the data axes (and any axis no param uses); the compiler
+        # partitions the rest, and the jit pins the state's whole shardings.
+        manual = plan.dims.manual(self.mesh)
+        is_spec = lambda x: isinstance(x, P)  # noqa: E731
+        local = jax.tree.map(lambda s: project(s, manual), plan.specs, is_leaf=is_spec)
+        body = jax.shard_map(
+            step, mesh=self.mesh, in_specs=(local, P(data)), out_specs=(local, P()),
+            axis_names=manual,
+        )  # fmt: skip
+        whole = jax.tree.map(lambda s: NamedSharding(self.mesh, s), plan.specs, is_leaf=is_spec)
+        return jax.jit(
+            body, in_shardings=(whole, None), out_shardings=(whole, NamedSharding(self.mesh, P())),
+            donate_argnums=donate, compiler_options=step_compiler_options(self.mode, two_d=True),
+        )  # fmt: skip
+
+    # ------------------------------------------------------------ state API
+    def state_specs(self, state: TrainState) -> TrainState:
+        """PartitionSpecs of ``state``'s arrays (for your own shard_map or jit)."""
+        return self._plan(state, "TrainStep.state_specs").specs
+
+    def state_shardings(self, state: TrainState) -> TrainState:
+        """``NamedSharding``s of ``state``'s arrays (e.g. to restore a checkpoint into)."""
+        return jax.tree.map(
+            lambda s: NamedSharding(self.mesh, s),
+            self.state_specs(state),
+            is_leaf=lambda x: isinstance(x, P),
+        )
+
+    def optimizer(self, state: TrainState) -> Any:
+        """The optimizer the step runs (``"zero"``: the distributed optimizer around ``tx``;
+        FSDP: ``tx``, or with ``labels`` ``FullyShard.multi_transform(tx)``), e.g. for
+        ``Checkpointer.save(tx=...)``."""
+        return self._plan(state, "TrainStep.optimizer").tx
+
+    def fully_shard(self, state: TrainState) -> Any:
+        """The :class:`jaxsync.FullyShard` of an ``"fsdp"`` step (None otherwise)."""
+        return self._plan(state, "TrainStep.fully_shard").fs
+
+    def params(self, state: TrainState) -> PyTree:
+        """The params as a pytree shaped like the ones given to ``init``, replicated
+        (FSDP: gathered from the shards, in the params' own dtypes)."""
+        plan = self._plan(state, "TrainStep.params")
+        if plan.dims is not None:
+            return spec_params(self, plan, state)
+        if plan.fs is None:
+            return state.params
+        full = plan.fs.unshard(state.params)
+        return jax.tree.map(lambda x, t: x.astype(t.dtype), full, plan.template)
+
+    def master(self, state: TrainState) -> PyTree:
+        """The fp32 master weights, as a pytree shaped like the params.
+
+        ``"zero"``: gathered from the distributed optimizer's shards; ``"fsdp"``:
+        the fp32 shards, gathered; ``"ddp"``: the params themselves in fp32 (DDP
+        keeps no separate master).
+        """
+        plan = self._plan(state, "TrainStep.master")
+        if plan.dims is not None:
+            return spec_master(self, plan, state)
+        if plan.fs is not None:
+            return plan.fs.unshard(state.params)
+        if self.mode == "ddp":
+            return jax.tree.map(lambda x: x.astype(jnp.float32), state.params)
+        master = plan.tx.to_portable(state.opt_state, state.params, self.mesh)["master"]
+        return jax.tree_util.tree_map_with_path(
+            lambda path, _: master[param_name(path)], plan.template
+        )
+
+    def model(self, state: TrainState) -> Any:
+        """The trained ``nnx.Module`` (for an ``init`` given a module)."""
+        plan = self._plan(state, "TrainStep.model")
+        if plan.model is None:
+            raise ValueError(
+                "TrainStep.model: this state was initialised from a pytree of params, not an "
+                "nnx.Module; read `step.params(state)` instead."
+            )
+        return plan.model.merge(self.params(state), state.model_state)
+
+
+def _replicated_copy(tree: PyTree, mesh: Mesh) -> PyTree:
+    """``tree`` replicated over ``mesh`` in new buffers (``device_put`` may reuse the
+    caller's buffer for one device, even with ``may_alias=False``)."""
+    placed = jax.device_put(tree, NamedSharding(mesh, P()))
+    copy = jax.shard_map(
+        lambda t: jax.tree.map(jnp.copy, t), mesh=mesh, in_specs=P(), out_specs=P()
+    )
+    return jax.jit(copy)(placed)
+
+
+def _template(params: PyTree) -> PyTree:
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+
+
+def _distinct(tree: PyTree) -> PyTree:
+    """``tree`` as the step returns it: specs written out per dimension (``P()`` of
+    a matrix is ``P(None, None)``, else the second call would compile again), and
+    no buffer twice (shared zeros, tied leaves), since the step donates the state
+    and XLA refuses to donate one buffer for two arguments."""
+    seen: set[Any] = set()
+
+    def one(x: jax.Array) -> jax.Array:
+        spec = x.sharding.spec
+        if len(spec) < x.ndim:
+            x = jax.device_put(x, NamedSharding(x.sharding.mesh, full_spec(spec, x.ndim)))
+        ptrs = {s.data.unsafe_buffer_pointer() for s in x.addressable_shards}
+        if ptrs & seen:
+            x = jax.device_put(x, x.sharding, may_alias=False)
+            ptrs = {s.data.unsafe_buffer_pointer() for s in x.addressable_shards}
+        seen.update(ptrs)
+        return x
+
+    return jax.tree.map(one, tree)
+
+
+def _default_units(params: PyTree, stacked: Sequence[str]) -> list[str]:
+    """One FSDP unit per top-level entry of the params (stacked groups: their own)."""
+    units: dict[str, None] = {}
+    for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]:
+        name = param_name(path)
+        if group_of(name, stacked) is None:
+            units[name.split(".")[0]] = None
+    return list(units)

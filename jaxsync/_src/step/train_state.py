@@ -1,0 +1,149 @@
+"""The state a :func:`jaxsync.train_step` trains: one shape for DDP, ZeRO and FSDP.
+
+Arrays only (a NamedTuple), so ``jit``, donation, ``eval_shape`` and orbax all
+just work. What differs between the modes lives inside ``params`` (FSDP: flat
+sharded units) and ``opt_state``; the step counter, the loss scale and the last
+step's metrics are the same fields everywhere, so a trainer reads
+``state.metrics.grad_norm`` whatever the mode.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from ..core.axes import to_varying
+from ..optim.loss_scale import LossScale, LossScaleState, update_loss_scale
+from ..optim.metrics import next_metrics
+from ..optim.state import StepMetrics
+
+PyTree = Any
+
+
+class GuardState(NamedTuple):
+    """What the distributed optimizer keeps in its own state, for DDP and FSDP steps.
+
+    Attributes:
+      loss_scale: the loss scaler (scale 1 without scaling).
+      metrics: diagnostics of the last step.
+    """
+
+    loss_scale: LossScaleState
+    metrics: StepMetrics
+
+
+class TrainState(NamedTuple):
+    """Everything a training step reads and writes; global (sharded) arrays.
+
+    ``state.metrics`` (:class:`jaxsync.StepMetrics`: grad norm, skipped steps...)
+    and ``state.loss_scale`` read the same in every mode (for ``"fsdp"`` the
+    per-param NaN/Inf fields are per unit, in ``fs.units`` order).
+
+    Attributes:
+      step: steps applied so far (skipped steps not counted), int32.
+      params: the params, replicated (``"ddp"``, ``"zero"``), or FSDP's
+        ``{unit: fp32 shard}`` (``"fsdp"``); read them whole with
+        ``TrainStep.params(state)``.
+      opt_state: the optimizer's state: replicated optax state (``"ddp"``), a
+        :class:`jaxsync.DistributedOptimizerState` (``"zero"``, which holds the
+        loss scale and metrics itself), or optax state over the shards (``"fsdp"``).
+      model_state: a flax NNX model's state besides its ``nnx.Param``s (a pure
+        dict, replicated: batch statistics, RNG counters), as the model left it
+        after the last step (floats averaged over devices); ``{}`` otherwise.
+      guard: ``"ddp"``/``"fsdp"``: the loss scale and metrics; ``None`` for
+        ``"zero"`` (they are in ``opt_state``).
+    """
+
+    step: jax.Array
+    params: PyTree
+    opt_state: PyTree
+    model_state: PyTree
+    guard: GuardState | None
+
+    @property
+    def metrics(self) -> StepMetrics:
+        """The last step's :class:`jaxsync.StepMetrics`, in every mode."""
+        return (self.guard or self.opt_state).metrics
+
+    @property
+    def loss_scale(self) -> LossScaleState:
+        """The loss scaler's state, in every mode."""
+        return (self.guard or self.opt_state).loss_scale
+
+
+def clip_and_check(
+    grads: PyTree,
+    sq_sum: jax.Array,
+    zeros: jax.Array,
+    clip_grad_norm: float | None,
+) -> tuple[PyTree, jax.Array, jax.Array, jax.Array]:
+    """Clips by the global norm (optax's arithmetic); returns grads, norm, finite, zeros."""
+    grad_norm = jnp.sqrt(sq_sum)
+    finite = jnp.isfinite(grad_norm)
+    if clip_grad_norm is not None:
+        keep = grad_norm < clip_grad_norm
+        grads = jax.tree.map(
+            lambda g: jnp.where(keep, g, (g / grad_norm.astype(g.dtype)) * clip_grad_norm), grads
+        )
+    return grads, grad_norm, finite, zeros
+
+
+def global_stats(grads: PyTree, axes: Sequence[str] = (), padding: int = 0) -> tuple[Any, Any]:
+    """Squared L2 norm and count of exact zeros of ``grads``, summed over ``axes``.
+
+    With ``axes`` the leaves are shards (disjoint over ``axes``), so the local sums
+    are added up; ``padding`` zeros (shard padding, all devices together) are
+    not counted.
+    """
+    sq = sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(grads))
+    zeros = sum(jnp.sum(g == 0).astype(jnp.float32) for g in jax.tree.leaves(grads))
+    if axes:
+        stats = jax.lax.psum(to_varying(jnp.stack([sq, zeros]), tuple(axes)), tuple(axes))
+        sq, zeros = stats[0], stats[1]
+    return sq, jnp.round(zeros - padding).astype(jnp.int32)
+
+
+def guarded_update(
+    state: TrainState,
+    tx: Any,
+    grads: PyTree,
+    flags_from: PyTree,
+    stats: tuple[jax.Array, jax.Array],
+    *,
+    clip_grad_norm: float | None,
+    loss_scale: LossScale,
+    unit_flags: jax.Array | None = None,
+) -> tuple[PyTree, PyTree, LossScaleState, StepMetrics, jax.Array]:
+    """One optax step on reduced, unscaled ``grads``, skipped if they are not finite.
+
+    What the distributed optimizer does for ZeRO, for DDP and FSDP: global-norm
+    clip, skip with state unchanged on NaN/Inf, loss-scale update, metrics.
+    ``flags_from``: the gradients whose per-leaf NaN/Inf flags the metrics record
+    (the local ones, before the reduction, where the step still has them);
+    ``unit_flags`` (deterministic mode) flags units instead, as ZeRO does.
+
+    Returns:
+      ``(params, opt_state, loss_scale, metrics, finite)``.
+    """
+    sq, zeros = stats
+    grads, grad_norm, finite, zeros = clip_and_check(grads, sq, zeros, clip_grad_norm)
+    safe = jax.tree.map(lambda g: jnp.where(finite, g, jnp.zeros_like(g)), grads)
+    updates, opt_state = tx.update(safe, state.opt_state, state.params)
+    new_params = jax.tree.map(
+        lambda p, u: jnp.asarray(p + u).astype(p.dtype), state.params, updates
+    )  # optax.apply_updates' arithmetic
+    keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
+    params = keep(new_params, state.params)
+    opt_state = keep(opt_state, state.opt_state)
+    scale = update_loss_scale(loss_scale, state.loss_scale, finite)
+    metrics = next_metrics(state.metrics, flags_from, finite, grad_norm, zeros, unit_flags)
+    return params, opt_state, scale, metrics, finite
+
+
+def padding_of(layouts: Sequence[Any]) -> int:
+    """Padding elements of FSDP unit buffers (over all devices)."""
+    return sum((b.size - b.used) * math.prod(b.lead) for layout in layouts for b in layout.buffers)

@@ -1,0 +1,441 @@
+"""Data-parallel gradient sync: local gradients, accumulation, bucketed all-reduce.
+
+The one trap in JAX data parallelism is that, inside ``shard_map``, ``jax.grad``
+w.r.t. replicated params already returns all-reduced gradients (the transpose
+of the implicit ``pvary`` is a ``psum``). Syncing those again reduces twice and
+hides a full-model all-reduce from any bucketing. :func:`value_and_grad` owns
+that step: it differentiates a device-varying view of the params, so what comes
+back is each device's *local* gradient and every reduction is ours to plan.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from ..core.axes import AxisName, axes_size, bound_axes, normalize_axes, rank, to_varying
+from ..core.validate import check_bool, check_float_dtype
+from ..deterministic.exact import UNIT_GRADS_WITHOUT_MODE, all_reduce_unit_grads
+from ..deterministic.units import (
+    Deterministic,
+    UnitGrads,
+    check_det_args,
+    check_deterministic,
+    deterministic_value_and_grad,
+    unit_value_and_grad,
+)
+from ..layout.layout import BufferKey, Layout
+from ..layout.placement import build_layout, check_bucket_size
+from .checks import check_local_grads, check_local_loss, check_rules
+from .collectives import bucket_all_reduce
+from .finalize import SyncRules, local_view, sync_keys
+from .scan_sync import sync_rules, sync_value_and_grad
+
+PyTree = Any
+
+
+def value_and_grad(
+    fun: Callable[..., Any],
+    *,
+    axis_name: AxisName,
+    argnums: int | Sequence[int] = 0,
+    has_aux: bool = False,
+    rules: SyncRules | None = None,
+    sync: Any = None,
+    deterministic: Deterministic | bool | None = None,
+) -> Callable[..., Any]:
+    """Like ``jax.value_and_grad``, but returns this device's local gradients.
+
+    Use it inside ``jax.shard_map``. The differentiated arguments are first
+    marked device-varying over ``axis_name`` (``jax.lax.pcast``), so no hidden
+    all-reduce is inserted; reduce the result with :func:`all_reduce_grads` or
+    the distributed optimizer. The returned value is the local (per-device)
+    loss; ``jax.lax.pmean`` it for logging.
+
+    With ``rules`` (:class:`SyncRules`), the gradients of matched params are also
+    kept local over the rules' pipeline/tensor axes, so that the sync (with the
+    same rules) performs those reductions bucket by bucket. Over any other axis
+    JAX's own autodiff keeps reducing replicated params, as it always does.
+
+    With ``sync`` (a :func:`jaxsync.distributed_optimizer` or a
+    :class:`jaxsync.DataParallel`) the gradients come back *reduced*: stacked
+    groups (``stacked=`` of the sync) reach ``fun`` as views that the scanned
+    layer body passes through :func:`jaxsync.tap`, which reduces each layer's
+    gradient inside the backward scan; the other params are reduced bucket by
+    bucket after it. A distributed optimizer gets :class:`jaxsync.ShardedGrads`
+    for ``tx.update``; ``DataParallel`` gets the averaged gradient tree for any
+    optax optimizer. ``argnums`` must then be one int, and ``rules`` come from
+    the sync.
+
+    Example:
+      >>> loss, grads = jaxsync.value_and_grad(loss_fn, axis_name="data")(params, batch)
+      >>> grads = jaxsync.all_reduce_grads(grads, axis_name="data")
+    """
+    check_rules(rules)
+    normalize_axes(axis_name)
+    det = check_deterministic(deterministic)
+    if det is not None:
+        return deterministic_value_and_grad(fun, axis_name, argnums, has_aux, rules, sync, det)
+    if sync is not None:
+        return _synced(fun, sync, argnums, has_aux, rules)
+    vg = jax.value_and_grad(fun, argnums=argnums, has_aux=has_aux)
+    nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        axes = bound_axes(axis_name, "jaxsync.value_and_grad")
+        args = list(args)
+        for i in nums:
+            args[i] = local_view(args[i], axes, rules)
+        out, grads = vg(*args, **kwargs)
+        check_local_loss(out, axes, has_aux, axis_name)
+        return out, grads
+
+    return wrapped
+
+
+def _synced(
+    fun: Callable[..., Any], sync: Any, argnums: Any, has_aux: bool, rules: Any
+) -> Callable[..., Any]:
+    if not isinstance(argnums, int):
+        raise ValueError(
+            f"with `sync`, `argnums` must be a single int (the params argument), got {argnums!r}."
+        )
+    if rules is not None:
+        raise ValueError(
+            "with `sync`, pass `rules` to the sync (jaxsync.DataParallel(rules=...) or "
+            "distributed_optimizer(rules=...)), not to value_and_grad: one place decides them."
+        )
+
+    def wrapped(*args: Any) -> Any:
+        args = list(args)
+        params = args[argnums]
+
+        def call(p: PyTree, *rest: Any) -> Any:
+            return fun(*rest[:argnums], p, *rest[argnums:])
+
+        others = args[:argnums] + args[argnums + 1 :]
+        return sync_value_and_grad(call, sync, params, others, has_aux=has_aux)
+
+    return wrapped
+
+
+def accumulate_grads(
+    fun: Callable[..., Any],
+    params: PyTree,
+    microbatches: PyTree,
+    *,
+    axis_name: AxisName,
+    has_aux: bool = False,
+    accum_dtype: Any = jnp.float32,
+    rules: SyncRules | None = None,
+    sync: Any = None,
+    deterministic: Deterministic | bool | None = None,
+) -> tuple[Any, PyTree]:
+    """Mean loss and mean *local* gradients over microbatches, with no communication.
+
+    This is Megatron's ``no_sync``: gradients of every microbatch are summed
+    locally in ``accum_dtype`` (a ``lax.scan``, so memory stays at one
+    microbatch), and only the result is synced once, by the caller.
+
+    With ``sync`` (as in :func:`value_and_grad`) the step still syncs once: the
+    first microbatches run without communication, and the last one runs with
+    in-loop sync, adding the accumulated gradients of each layer before that
+    layer's reduction in the backward scan (Megatron's sync in the last
+    microbatch). The result is then reduced (:class:`ShardedGrads` for a
+    distributed optimizer).
+
+    Args:
+      fun: ``fun(params, microbatch) -> loss`` (or ``(loss, aux)`` with ``has_aux``).
+      params: the parameters.
+      microbatches: pytree whose leaves have a leading microbatch axis.
+      axis_name: the data-parallel axes (see :func:`value_and_grad`).
+      has_aux: whether ``fun`` returns ``(loss, aux)``; aux of the last microbatch
+        is returned.
+      accum_dtype: dtype the gradients are summed in.
+      rules: finalize rules, as for :func:`value_and_grad`.
+      sync: in-loop sync, as for :func:`value_and_grad`.
+      deterministic: a :class:`jaxsync.Deterministic`: each microbatch's global
+        batch is cut into ``units`` units; each unit's gradients are summed over
+        microbatches in order (fp32), and returned as :class:`jaxsync.UnitGrads`;
+        the loss is the exact global mean (see :func:`value_and_grad`).
+
+    Returns:
+      ``(loss, grads)`` or ``((loss, aux), grads)``: means over microbatches,
+      grads in ``accum_dtype``.
+    """
+    leaves = jax.tree.leaves(microbatches)
+    if not leaves:
+        raise ValueError("`microbatches` is empty; pass a pytree of stacked microbatches.")
+    counts = {leaf.shape[0] if leaf.ndim else None for leaf in leaves}
+    if len(counts) != 1 or None in counts:
+        raise ValueError(
+            "every leaf of `microbatches` needs the same leading (microbatch) axis; "
+            f"got leading sizes {sorted(str(c) for c in counts)}."
+        )
+    (n,) = counts
+    axes = bound_axes(axis_name, "jaxsync.accumulate_grads")
+    det = check_deterministic(deterministic)
+    if det is not None:
+        fn = "jaxsync.accumulate_grads"
+        check_det_args(0, rules, sync, fn)
+        return unit_value_and_grad(fun, params, microbatches, det, axes, has_aux=has_aux, fn=fn)
+    if sync is not None:
+        return _accumulate_synced(fun, params, microbatches, n, axes, has_aux, sync)
+    vg = value_and_grad(fun, axis_name=axes, has_aux=has_aux, rules=rules)
+
+    def body(acc: PyTree, mb: PyTree) -> tuple[PyTree, Any]:
+        out, g = vg(params, mb)
+        acc = jax.tree.map(lambda a, x: a + x.astype(accum_dtype), acc, g)
+        return acc, out
+
+    # The first microbatch seeds the carry, so it has the gradients' exact type
+    # (device-varying over whichever axes they are).
+    out0, g0 = vg(params, jax.tree.map(lambda m: m[0], microbatches))
+    total = jax.tree.map(lambda g: g.astype(accum_dtype), g0)
+    rest = jax.tree.map(lambda m: m[1:], microbatches)
+    total, outs = jax.lax.scan(body, total, rest)
+    outs = jax.tree.map(lambda a, b: jnp.concatenate([a[None], b]), out0, outs)
+    grads = jax.tree.map(lambda g: g / n, total)
+    if has_aux:
+        losses, aux = outs
+        return (jnp.mean(losses), jax.tree.map(lambda a: a[-1], aux)), grads
+    return jnp.mean(outs), grads
+
+
+def _accumulate_synced(
+    fun: Callable[..., Any],
+    params: PyTree,
+    microbatches: PyTree,
+    n: int,
+    axes: tuple[str, ...],
+    has_aux: bool,
+    sync: Any,
+) -> tuple[Any, Any]:
+    last = jax.tree.map(lambda m: m[-1], microbatches)
+    acc = None
+    if n > 1:
+        rules = sync_rules(sync)
+        head = jax.tree.map(lambda m: m[:-1], microbatches)
+        out0, acc = accumulate_grads(
+            fun, params, head, axis_name=axes, has_aux=has_aux, rules=rules
+        )
+        acc = jax.tree.map(lambda g: g * (n - 1), acc)  # the sum, not the mean
+    out, grads = sync_value_and_grad(
+        fun,
+        sync,
+        params,
+        (last,),
+        has_aux=has_aux,
+        acc=acc,
+        microbatches=n,
+        fn="jaxsync.accumulate_grads",
+    )
+    if n == 1:
+        return out, grads
+    if has_aux:
+        (loss0, _), (loss, aux) = out0, out
+        return ((loss0 * (n - 1) + loss) / n, aux), grads
+    return (out0 * (n - 1) + out) / n, grads
+
+
+def _sync_layout(
+    grads: PyTree,
+    axes: tuple[str, ...],
+    bucket_size: int | None,
+    rules: SyncRules | None = None,
+) -> Layout:
+    shape = dict(jax.sharding.get_abstract_mesh().shape)
+    syncs = sync_keys(rules, grads, axes, shape)
+    by_path = {
+        jax.tree_util.keystr(p): s
+        for (p, _), s in zip(jax.tree_util.tree_flatten_with_path(grads)[0], syncs, strict=True)
+    }
+
+    def key_fn(path: str, leaf: Any) -> BufferKey:
+        s = by_path[path]
+        return BufferKey(jnp.dtype(leaf.dtype).name, s.dp_axes, None, s.sum_axes, s.mean_axes)
+
+    return build_layout(grads, num_shards=1, bucket_size=bucket_size, key_fn=key_fn)
+
+
+def all_reduce_grads(
+    grads: PyTree,
+    *,
+    axis_name: AxisName,
+    bucket_size: int | None = None,
+    reduce_dtype: Any = jnp.float32,
+    average: bool = True,
+    rules: SyncRules | None = None,
+    deterministic: Deterministic | bool | None = None,
+) -> PyTree:
+    """Bucketed all-reduce of local gradients (data parallelism + finalize rules).
+
+    Args:
+      grads: local gradients, e.g. from :func:`value_and_grad`.
+      axis_name: data-parallel axis name or tuple of names.
+      bucket_size: elements per bucket; ``None`` for one bucket per dtype.
+      reduce_dtype: dtype of the reduction (fp32 for bf16/fp16 models, as
+        Megatron's ``grad_reduce_in_fp32``); ``None`` keeps the grad dtype.
+      average: mean over ranks (``True``) or sum.
+      rules: :class:`SyncRules`: the extra tied / sequence-parallel / expert
+        reductions of Megatron's ``finalize_model_grads``, per bucket.
+      deterministic: a :class:`jaxsync.Deterministic`; ``grads`` are then the
+        :class:`jaxsync.UnitGrads` made with it, summed exactly (bitwise the same
+        mean at any DP size). :class:`jaxsync.UnitGrads` are summed so even
+        without it. Needs ``average=True`` and no ``rules``; ``reduce_dtype`` is
+        not used (the sum is exact).
+
+    Returns:
+      The reduced gradients, each in its original dtype, typed replicated.
+    """
+    det = check_deterministic(deterministic)
+    if det is not None or isinstance(grads, UnitGrads):
+        return all_reduce_unit_grads(
+            grads, axis_name, bucket_size, average, rules, det, "jaxsync.all_reduce_grads"
+        )
+    check_rules(rules)
+    check_float_dtype(reduce_dtype, "reduce_dtype", allow_none=True)
+    check_bool(average, "average")
+    return _all_reduce(
+        grads, axis_name, bucket_size, reduce_dtype, average, rules, "jaxsync.all_reduce_grads"
+    )
+
+
+def _all_reduce(
+    grads: PyTree,
+    axis_name: AxisName,
+    bucket_size: int | None,
+    reduce_dtype: Any,
+    average: bool,
+    rules: SyncRules | None,
+    fn: str,
+) -> PyTree:
+    axes = bound_axes(axis_name, fn)
+    layout = _sync_layout(grads, axes, bucket_size, rules)
+    check_local_grads(grads, layout, fn, axis_name=axis_name, rules=rules)
+    return bucket_all_reduce(
+        grads, layout, axis_name=axes, reduce_dtype=reduce_dtype, average=average
+    )
+
+
+def nonfinite_grads(grads: PyTree, *, axis_name: AxisName | None = None) -> PyTree:
+    """Per-leaf flags: ``True`` where this device's gradient holds NaN or Inf.
+
+    Megatron's ``check_for_nan_in_grad``, as data. Call it on local gradients,
+    before communication, so the flags say *which rank* produced the bad value.
+    With ``axis_name`` each flag gets a leading axis of size 1, so returning the
+    tree from shard_map with ``out_specs=P(axis_name)`` stacks one row per rank;
+    feed that to :func:`raise_if_nonfinite`.
+    """
+    flags = jax.tree.map(lambda g: jnp.logical_not(jnp.all(jnp.isfinite(g))), grads)
+    if axis_name is None:
+        return flags
+    bound_axes(axis_name, "jaxsync.nonfinite_grads")
+    return jax.tree.map(lambda f: f[None], flags)
+
+
+def raise_if_nonfinite(flags: PyTree) -> None:
+    """Raises ``FloatingPointError`` naming every param and rank with NaN/Inf grads.
+
+    Args:
+      flags: the tree from :func:`nonfinite_grads` (leaves: bools, or one bool per
+        rank as returned through ``out_specs=P(axis_name)``). Runs on the host.
+    """
+    bad = []
+    for path, leaf in jax.tree_util.tree_flatten_with_path(flags)[0]:
+        ranks = [int(i) for i in np.flatnonzero(np.ravel(jax.device_get(leaf)))]
+        if ranks:
+            bad.append(f"  {jax.tree_util.keystr(path)} on rank(s) {ranks}")
+    if bad:
+        raise FloatingPointError(
+            "non-finite gradients (NaN or Inf) before the data-parallel sync:\n"
+            + "\n".join(bad)
+            + "\nLower the learning rate, use loss scaling for fp16, or check the data "
+            "those ranks were fed."
+        )
+
+
+def broadcast_params(
+    params: PyTree,
+    *,
+    axis_name: AxisName,
+    src: int = 0,
+    bucket_size: int | None = None,
+) -> PyTree:
+    """Makes every replica's params equal to rank ``src``'s (Megatron's broadcast).
+
+    Bucketed like the gradient sync: one masked ``psum`` per bucket. The result
+    is typed replicated. Use it after initialising replicas independently.
+    """
+    axes = bound_axes(axis_name, "jaxsync.broadcast_params")
+    n = axes_size(axes)
+    if isinstance(src, bool) or not isinstance(src, int | np.integer) or not 0 <= src < n:
+        # An out-of-range rank would match no device and zero every param.
+        raise ValueError(
+            f"jaxsync.broadcast_params: `src` must be a rank in [0, {n}) of axes {axes} "
+            f"(size {n}), got {src!r}."
+        )
+    layout = _sync_layout(params, axes, bucket_size)
+    mine = to_varying(params, axes)
+    keep = rank(axes) == src
+    masked = jax.tree.map(lambda p: jnp.where(keep, p, jnp.zeros_like(p)), mine)
+    return bucket_all_reduce(masked, layout, axis_name=axes, reduce_dtype=None, average=False)
+
+
+class SyncGradsState(NamedTuple):
+    """:func:`sync_grads` keeps no state."""
+
+
+def sync_grads(
+    *,
+    axis_name: AxisName,
+    bucket_size: int | None = None,
+    reduce_dtype: Any = jnp.float32,
+    average: bool = True,
+    rules: SyncRules | None = None,
+    deterministic: Deterministic | bool | None = None,
+) -> optax.GradientTransformation:
+    """Plain data parallelism as an optax transformation: bucketed all-reduce.
+
+    Put it first in an ``optax.chain`` to feed local gradients to a replicated
+    optimizer (every rank holds the whole optimizer state):
+
+      >>> tx = optax.chain(jaxsync.sync_grads(axis_name="data"),
+      ...                  optax.clip_by_global_norm(1.0), optax.adam(3e-4))
+
+    Reduced gradients keep their dtype; the reduction runs in ``reduce_dtype``.
+    With ``deterministic`` (a :class:`jaxsync.Deterministic`) it takes the
+    :class:`jaxsync.UnitGrads` made with the same one and sums them exactly,
+    as :func:`all_reduce_grads` does.
+    """
+    axes = normalize_axes(axis_name)
+    bucket_size = check_bucket_size(bucket_size)
+    check_rules(rules)
+    check_float_dtype(reduce_dtype, "reduce_dtype", allow_none=True)
+    check_bool(average, "average")
+    det = check_deterministic(deterministic)
+
+    def init_fn(params: PyTree) -> SyncGradsState:
+        del params
+        return SyncGradsState()
+
+    def update_fn(
+        grads: PyTree, state: SyncGradsState, params: PyTree | None = None
+    ) -> tuple[PyTree, SyncGradsState]:
+        del params
+        fn = "jaxsync.sync_grads"
+        if det is not None:
+            return all_reduce_unit_grads(grads, axes, bucket_size, average, rules, det, fn), state
+        if isinstance(grads, UnitGrads):
+            raise TypeError(UNIT_GRADS_WITHOUT_MODE.format(fn=fn, units=grads.units))
+        reduced = _all_reduce(
+            grads, axes, bucket_size, reduce_dtype, average, rules, "jaxsync.sync_grads"
+        )
+        return reduced, state
+
+    return optax.GradientTransformation(init_fn, update_fn)

@@ -1,0 +1,147 @@
+"""TODO(layer_tap): split from scan_sync."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from ..core.axes import to_varying, varying_axes
+from ..layout.layout import Layout
+from .collectives import buffer_axes, reduce_bucket, scale_by
+from .tap_rules import TAP_NAME
+from .views import NOT_TAPPED
+
+PyTree = Any
+
+
+@dataclasses.dataclass(frozen=True)
+class TapSpec:
+    """Static description of one stacked group, carried by its :class:`LayerStack`."""
+
+    group: str
+    layout: Layout
+    buffers: tuple[int, ...]
+    slots: tuple[int, ...]  # layout slot of each synced leaf of the group, in its tree order
+    axes: tuple[str, ...]
+    scatter: bool
+    reduce_dtype: str
+    factor: float
+    # Positions (in the group's leaf order) of leaves not synced in the loop: those
+    # of whole-matrix optimizers, whose gradient leaves the scan and is reduced after.
+    passthrough: tuple[int, ...] = ()
+
+
+@jax.tree_util.register_pytree_node_class
+class LayerStack:
+    """A stacked-layer group as the model sees it under in-loop sync.
+
+    A pytree whose children are the stacked params, one sink per bucket and
+    (for the last microbatch) the gradients accumulated so far, so ``lax.scan``
+    over it hands each iteration one layer of each. Pass the layer's slice to
+    :func:`tap` to get its params.
+    """
+
+    def __init__(self, params: PyTree, sinks: Any, acc: Any, spec: TapSpec):
+        self.params, self.sinks, self.acc, self.spec = params, sinks, acc, spec
+
+    def tree_flatten(self) -> tuple[tuple[Any, Any, Any], TapSpec]:
+        return (self.params, self.sinks, self.acc), self.spec
+
+    @classmethod
+    def tree_unflatten(cls, spec: TapSpec, children: Any) -> LayerStack:
+        return cls(*children, spec)
+
+    holds_shards = False  # the model's params are in it (FSDP's views hold shards)
+
+    def jaxsync_tap(self) -> PyTree:
+        """This layer's params; its gradient reduced in the backward loop (:func:`tap`)."""
+        spec = self.spec
+        leaves = _synced(spec, jax.tree.leaves(self.params))
+        for si, leaf in zip(spec.slots, leaves, strict=True):
+            slot = spec.layout.slots[si]
+            if tuple(leaf.shape) != slot.row_shape:
+                raise ValueError(
+                    f"jaxsync.tap got param {slot.path} of stacked group {spec.group!r} with "
+                    f"shape {tuple(leaf.shape)}; one layer's slice has shape {slot.row_shape}. "
+                    "Call it inside the scanned layer body, on the slice `lax.scan` passes in."
+                )
+        return _tap_of(spec.group)(spec, self.params, self.sinks, self.acc)
+
+    def __getitem__(self, key: Any) -> Any:
+        raise TypeError(NOT_TAPPED.format(group=self.spec.group))
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or name in ("params", "sinks", "acc", "spec"):
+            raise AttributeError(name)
+        raise TypeError(NOT_TAPPED.format(group=self.spec.group))
+
+
+@functools.cache
+def _tap_of(group: str) -> Callable[..., PyTree]:
+    """The tap's custom_vjp for ``group``, named so the jaxpr shows which group it taps
+    (:mod:`tap_rules` reads the taps from there)."""
+
+    def tap_impl(spec: TapSpec, params: PyTree, sinks: Any, acc: Any) -> PyTree:
+        del spec, sinks, acc
+        return params
+
+    tap_impl.__name__ = tap_impl.__qualname__ = TAP_NAME.format(group=group)
+    fn = jax.custom_vjp(tap_impl, nondiff_argnums=(0,))
+    fn.defvjp(_tap_fwd, _tap_bwd)
+    return fn
+
+
+def _tap_fwd(spec: TapSpec, params: PyTree, sinks: Any, acc: Any) -> tuple[PyTree, Any]:
+    del spec
+    # Only the sinks' types travel to the backward (empty arrays of their dtype
+    # and device-varying axes), never their values.
+    like = jax.tree.map(lambda s: _like(jnp.zeros((0,), s.dtype), s), sinks)
+    return params, (acc, like)
+
+
+def _tap_bwd(spec: TapSpec, res: Any, ct: PyTree) -> tuple[None, Any, None]:
+    acc, (like, like_flags) = res
+    layout = spec.layout
+    all_ct, treedef = jax.tree.flatten(ct)
+    leaves = _synced(spec, all_ct)
+    # Which leaves had a non-finite *local* gradient, before any reduction (for
+    # the distributed optimizer's skipped-step report).
+    flags = jnp.stack([jnp.logical_not(jnp.all(jnp.isfinite(g))) for g in leaves])
+    by_slot: list[Any] = [None] * len(layout.slots)
+    for si, leaf in zip(spec.slots, leaves, strict=True):
+        by_slot[si] = leaf
+    packed = layout.pack_leaves(by_slot, spec.buffers, spec.reduce_dtype, rows=True)
+    if acc is not None:
+        packed = jax.tree.map(jnp.add, packed, acc)
+    out = []
+    for bi, buckets, sinks in zip(spec.buffers, packed, like, strict=True):
+        key = layout.buffers[bi].key
+        baxes = buffer_axes(layout, bi, spec.axes)
+        reduced = []
+        for bucket, sink in zip(buckets, sinks, strict=True):
+            r = scale_by(reduce_bucket(bucket, key, baxes, scatter=spec.scatter), spec.factor)
+            reduced.append(_like(r, sink))
+        out.append(tuple(reduced))
+    params_ct = None
+    if spec.passthrough:  # their gradient flows on, out of the scan
+        keep = set(spec.passthrough)
+        params_ct = jax.tree.unflatten(
+            treedef, [g if j in keep else jnp.zeros_like(g) for j, g in enumerate(all_ct)]
+        )
+    return params_ct, (tuple(out), _like(flags, like_flags)), None
+
+
+def _synced(spec: TapSpec, leaves: list[Any]) -> list[Any]:
+    return [x for j, x in enumerate(leaves) if j not in spec.passthrough]
+
+
+def _like(x: jax.Array, sink: jax.Array) -> jax.Array:
+    """``x`` in the sink's dtype, typed device-varying over every axis it varies over."""
+    return to_varying(x.astype(sink.dtype), tuple(sorted(varying_axes(sink))))
+
+

@@ -1,0 +1,282 @@
+"""Gradient sync inside a scanned layer loop: one tap per layer, reduced in the backward scan.
+
+Large JAX models stack each layer's params as ``[L, ...]`` and run them with
+``lax.scan``. Plain ``jax.grad`` hands back the stacked gradients only after the
+whole backward loop, so a sync placed after it has nothing left to overlap with.
+Here the user's layer body calls :func:`tap` on its layer's params; under
+:func:`jaxsync.value_and_grad` with ``sync=...`` the stacked group reaches the
+model as a :class:`LayerStack` view that carries, besides the params, one
+*sink* per bucket (zeros, ``[L, shard]``). ``lax.scan`` slices the view like any
+pytree, and the tap is an identity whose custom backward packs the layer's
+gradient into its buckets and reduces them (``psum_scatter`` for the
+distributed optimizer, ``psum`` for plain data parallelism) into the sink's
+cotangent. The collective therefore sits in the loop iteration that produced
+the gradient, and the gradients leave the loop already reduced (and, for the
+distributed optimizer, sharded: ZeRO-2).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from ..core.axes import AxisName, bound_axes, normalize_axes, to_varying
+from ..core.names import in_group, param_name
+from ..layout.layout import BufferKey, Layout
+from ..layout.placement import build_layout, check_bucket_size, normalize_stacked
+from ..optim.state import ShardedGrads
+from .collectives import buffer_axes, mean_factor, reduce_bucket, reduce_scatter_packed, scale_by
+from .finalize import SyncRules, local_view, sync_keys
+from .layer_tap import LayerStack, TapSpec
+from .tap_rules import check_taps
+from .views import call_with_views
+
+PyTree = Any
+
+@dataclasses.dataclass(frozen=True)
+class DataParallel:
+    """Plain data parallelism (bucketed all-reduce) as a ``sync`` for value_and_grad.
+
+    Every rank keeps the whole optimizer state; use any optax optimizer on the
+    reduced gradients that :func:`jaxsync.value_and_grad` returns with
+    ``sync=DataParallel(...)``. Stacked groups are all-reduced layer by layer
+    inside the backward scan, the other params bucket by bucket after it.
+
+    Attributes:
+      axis_name: data-parallel mesh axis (or axes).
+      bucket_size: elements per bucket (per layer for stacked groups); None: one.
+      reduce_dtype: dtype the gradients are summed in (fp32 for bf16 models).
+      rules: :class:`jaxsync.SyncRules` for pipeline / tensor / expert reductions.
+      stacked: dotted prefixes of stacked-layer groups (``"blocks"``).
+    """
+
+    axis_name: AxisName
+    bucket_size: int | None = None
+    reduce_dtype: Any = jnp.float32
+    rules: SyncRules | None = None
+    stacked: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "axis_name", normalize_axes(self.axis_name))
+        object.__setattr__(self, "stacked", normalize_stacked(self.stacked))
+        check_bucket_size(self.bucket_size)
+
+    def layout(self, params: PyTree) -> Layout:
+        """The all-reduce layout of local ``params`` (inside shard_map)."""
+        shape = dict(jax.sharding.get_abstract_mesh().shape)
+        syncs = sync_keys(self.rules, params, self.axis_name, shape)
+        by_path = {
+            jax.tree_util.keystr(p): s
+            for (p, _), s in zip(
+                jax.tree_util.tree_flatten_with_path(params)[0], syncs, strict=True
+            )
+        }
+
+        def key_fn(path: str, leaf: Any) -> BufferKey:
+            s = by_path[path]
+            return BufferKey(jnp.dtype(leaf.dtype).name, s.dp_axes, None, s.sum_axes, s.mean_axes)
+
+        return build_layout(
+            params, bucket_size=self.bucket_size, key_fn=key_fn, stacked=self.stacked
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """What one traced sync needs: the layout and how to reduce its buckets."""
+
+    layout: Layout
+    axes: tuple[str, ...]
+    scatter: bool
+    reduce_dtype: str
+    rules: SyncRules | None
+
+
+def _optimizer_plan(sync: Any) -> Any:
+    """The distributed optimizer's plan behind ``sync``, or a clear error."""
+    config = getattr(sync, "__dict__", {}).get("config")
+    if config is None or not hasattr(config, "layout_inside"):
+        raise TypeError(
+            f"`sync` must be a jaxsync.DataParallel or a jaxsync.distributed_optimizer, got "
+            f"{type(sync).__name__}. For FSDP use `FullyShard.value_and_grad`."
+        )
+    return config
+
+
+def sync_rules(sync: Any) -> SyncRules | None:
+    """The finalize rules a sync reduces with (so local passes use the same ones)."""
+    return sync.rules if isinstance(sync, DataParallel) else _optimizer_plan(sync).rules
+
+
+def _plan(sync: Any, params: PyTree, fn: str) -> _Plan:
+    if isinstance(sync, DataParallel):
+        axes = bound_axes(sync.axis_name, fn)
+        dtype = jnp.dtype(sync.reduce_dtype or jnp.float32).name
+        return _Plan(sync.layout(params), axes, False, dtype, sync.rules)
+    config = _optimizer_plan(sync)
+    axes = bound_axes(config.axes, fn)
+    layout = config.layout_inside(params)
+    return _Plan(layout, axes, True, jnp.dtype(config.reduce_dtype).name, config.rules)
+
+
+def _sink_axes(plan: _Plan, bi: int) -> tuple[str, ...]:
+    key = plan.layout.buffers[bi].key
+    dp = buffer_axes(plan.layout, bi, plan.axes) if plan.scatter else ()
+    return tuple(dict.fromkeys(dp + key.varying))
+
+
+def sync_value_and_grad(
+    fun: Callable[..., Any],
+    sync: Any,
+    params: PyTree,
+    args: Sequence[Any],
+    *,
+    has_aux: bool = False,
+    acc: PyTree | None = None,
+    microbatches: int = 1,
+    fn: str = "jaxsync.value_and_grad",
+) -> tuple[Any, Any]:
+    """``fun(params, *args)``'s value and gradients, reduced as ``sync`` plans.
+
+    Args:
+      acc: local gradients summed over earlier microbatches (fp32, shaped like
+        the params), added before the reduction so the step syncs once.
+      microbatches: divides the reduced sum, so the result is the mean.
+
+    Returns:
+      ``(value, grads)``: grads are :class:`ShardedGrads` for a distributed
+      optimizer, else the reduced gradient tree.
+    """
+    plan = _plan(sync, params, fn)
+    layout = plan.layout
+    leaves = layout.check_tree(params, "params")
+    treedef = layout.treedef
+    stacks = layout.stacks()
+    stacked_bufs = tuple(bi for bufs in stacks.values() for bi in bufs)
+    free_bufs = tuple(bi for bi in range(len(layout.buffers)) if bi not in stacked_bufs)
+    in_stack = {si for bi in stacked_bufs for si in layout.buffers[bi].slots}
+    free = [i for i in range(len(leaves)) if i not in in_stack]
+    varying = jax.tree.leaves(local_view(params, plan.axes, plan.rules))
+    factor = mean_factor(plan.axes, True, None) / microbatches
+    acc_leaves = None if acc is None else layout.check_tree(acc, "acc")
+
+    specs, sinks, accs = {}, {}, {}
+    names = [param_name(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+    for group, bufs in stacks.items():
+        members = [i for i in range(len(leaves)) if in_group(names[i], group)]
+        slots = tuple(i for i in members if i in in_stack and layout.slots[i].buffer in bufs)
+        passthrough = tuple(j for j, i in enumerate(members) if i not in slots)
+        specs[group] = TapSpec(
+            group,
+            layout,
+            bufs,
+            slots,
+            plan.axes,
+            plan.scatter,
+            plan.reduce_dtype,
+            factor,
+            passthrough,
+        )
+        flag_sink = to_varying(
+            jnp.zeros((layout.buffers[bufs[0]].layers, len(slots)), jnp.float32), plan.axes
+        )
+        sinks[group] = (
+            tuple(
+                tuple(
+                    to_varying(
+                        jnp.zeros(
+                            (layout.buffers[bi].layers, b.size // layout.buffers[bi].num_shards)
+                            if plan.scatter
+                            else (layout.buffers[bi].layers, b.size),
+                            plan.reduce_dtype,
+                        ),
+                        _sink_axes(plan, bi),
+                    )
+                    for b in layout.buffers[bi].buckets
+                )
+                for bi in bufs
+            ),
+            flag_sink,
+        )
+        accs[group] = (
+            None if acc_leaves is None else layout.pack_leaves(acc_leaves, bufs, plan.reduce_dtype)
+        )
+
+    def f(free_leaves: list[Any], sinks: dict[str, Any]) -> Any:
+        full = list(varying)
+        for i, x in zip(free, free_leaves, strict=True):
+            full[i] = x
+        tree = jax.tree.unflatten(treedef, full)
+        view = jax.tree_util.tree_map_with_path(
+            lambda path, sub: (
+                LayerStack(
+                    sub, sinks[param_name(path)], accs[param_name(path)], specs[param_name(path)]
+                )
+                if param_name(path) in specs
+                else sub
+            ),
+            tree,
+            is_leaf=lambda path, _: param_name(path) in specs,
+            is_leaf_takes_path=True,
+        )
+        return call_with_views(fun, tuple(specs), "jaxsync.LayerStack")(view, *args)
+
+    # Traced once into a jaxpr, whose taps are checked (the jaxpr holds them even
+    # where JAX reused a cached scan body), then differentiated from that jaxpr.
+    free_in = [varying[i] for i in free]
+    closed, out_shape = jax.make_jaxpr(f, return_shape=True)(free_in, sinks)
+    check_taps(closed.jaxpr, tuple(specs), plan.axes, acc is not None)
+    out_tree = jax.tree.structure(out_shape)
+
+    def traced(free_leaves: list[Any], sinks: dict[str, Any]) -> Any:
+        flat = jax.tree.leaves((free_leaves, sinks))
+        flat = jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *flat)
+        return jax.tree.unflatten(out_tree, flat)
+
+    out, (g_free, g_sinks) = jax.value_and_grad(traced, argnums=(0, 1), has_aux=has_aux)(
+        free_in, sinks
+    )
+    by_slot: list[Any] = [None] * len(leaves)
+    for i, g in zip(free, g_free, strict=True):
+        by_slot[i] = g if acc_leaves is None else g.astype(jnp.float32) + acc_leaves[i]
+    packed_free = layout.pack_leaves(by_slot, free_bufs, plan.reduce_dtype)
+    per_buffer: dict[int, Any] = {}
+    nonfinite = [None] * len(leaves)
+    for i in free:
+        nonfinite[i] = jnp.logical_not(jnp.all(jnp.isfinite(by_slot[i])))
+    for group, bufs in stacks.items():
+        bucket_grads, flag_grads = g_sinks[group]
+        for bi, buckets in zip(bufs, bucket_grads, strict=True):
+            per_buffer[bi] = buckets
+        for j, si in enumerate(specs[group].slots):
+            bad = jnp.max(flag_grads[:, j]) > 0
+            if acc_leaves is not None:
+                bad = bad | jnp.logical_not(jnp.all(jnp.isfinite(acc_leaves[si])))
+            nonfinite[si] = bad
+    if plan.scatter:
+        shards = dict(
+            zip(
+                free_bufs,
+                reduce_scatter_packed(packed_free, layout, free_bufs, plan.axes, factor),
+                strict=True,
+            )
+        )
+        for bi, buckets in per_buffer.items():
+            shards[bi] = buckets[0] if len(buckets) == 1 else jnp.concatenate(buckets, axis=-1)
+        return out, ShardedGrads(
+            tuple(shards[bi] for bi in range(len(layout.buffers))),
+            jnp.stack(nonfinite).astype(jnp.int32),
+        )
+    for bi, buckets in zip(free_bufs, packed_free, strict=True):
+        key = layout.buffers[bi].key
+        baxes = buffer_axes(layout, bi, plan.axes)
+        per_buffer[bi] = tuple(
+            scale_by(reduce_bucket(b, key, baxes, scatter=False), factor) for b in buckets
+        )
+    order = tuple(range(len(layout.buffers)))
+    reduced = layout.unpack_leaves([per_buffer[bi] for bi in order], order)
+    return out, jax.tree.unflatten(treedef, [reduced[i] for i in range(len(leaves))])

@@ -1,0 +1,112 @@
+"""TODO(views): split from scan_sync."""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+NOT_TAPPED = (
+    "this is jaxsync's view of the stacked-layer group {group!r}, not its params: call "
+    "`p = jaxsync.tap(p)` on the layer's slice first thing in the scanned layer body "
+    "(it returns the layer's params and syncs their gradient inside the backward loop)."
+)
+
+
+NEVER_TAPPED = (
+    "the stacked-layer group(s) {groups} reached the loss function as jaxsync's view, but "
+    "no scanned layer body passed its layer through `jaxsync.tap`, so their gradients would "
+    "be lost. Call `p = jaxsync.tap(p)` on each layer's slice in the scanned body (flax "
+    "NNX: run the stacked module with `jaxsync.scan_layers`), or drop them from `stacked=`."
+)
+
+
+HAND_MERGE = (
+    "jaxsync: the stacked-layer group(s) {groups} reach the loss function as jaxsync's views "
+    "({kind}), not as dicts of params, so a hand-written `nnx.replace_by_pure_dict` / "
+    "`nnx.merge` cannot take them. Merge the module with "
+    "`jaxsync.merge_module(graphdef, *states, params=params)`, which hands each view to "
+    "`jaxsync.scan_layers`, or train with `jaxsync.train_step`, which merges for you."
+)
+
+# The stacked-layer views of modules merged while a loss function is traced, by the
+# id of the submodule that holds the group (see jaxsync.merge_module). Set only for
+# the duration of one traced call (a context, like a trace-time argument), so no
+# view outlives its trace and no id is ever read for another object.
+TRACE_VIEWS: contextvars.ContextVar[dict[int, Any] | None] = contextvars.ContextVar(
+    "jaxsync_views", default=None
+)
+
+
+@contextlib.contextmanager
+def trace_views() -> Iterator[None]:
+    """Scopes the views that module merges register to one traced loss call."""
+    token = TRACE_VIEWS.set({})
+    try:
+        yield
+    finally:
+        TRACE_VIEWS.reset(token)
+
+
+def call_with_views(
+    fun: Callable[..., Any], groups: Sequence[str], kind: str
+) -> Callable[..., Any]:
+    """``fun`` run in a views scope; a flax pure-dict error gets a note on what to do.
+
+    A loss that merges an NNX module by hand from params holding views fails inside
+    flax (``key in pure_dict not available in state: ('blocks',)``); the note names
+    the groups and the jaxsync call that merges them.
+    """
+
+    def scoped(*args: Any) -> Any:
+        with trace_views():
+            try:
+                return fun(*args)
+            except ValueError as e:
+                if groups and "pure_dict" in str(e):
+                    e.add_note(HAND_MERGE.format(groups=sorted(groups), kind=kind))
+                raise
+
+    return scoped
+
+
+def tap(layer: Any) -> Any:
+    """Returns a scanned layer's params; its gradient is synced in the backward loop.
+
+    Call it on the layer's slice at the top of the scanned layer body. Under
+    :func:`jaxsync.value_and_grad` with ``sync=`` (or ``FullyShard.value_and_grad``),
+    the layer's gradient is reduced (reduce-scattered for the distributed
+    optimizer, all-reduced for :class:`DataParallel`; for FSDP the layer's shard
+    is also all-gathered here) inside the iteration of the backward scan that
+    computes it. Anywhere else (plain ``jax.grad``, evaluation) it returns
+    ``layer`` unchanged, so the same model code runs everywhere.
+
+    Rules (checked when the step is traced, see :mod:`jaxsync._src.sync.tap_rules`):
+    every stacked group is tapped; the tap is not inside a ``lax.cond``/
+    ``lax.switch`` branch whose predicate depends on the data (its collective
+    would run on some devices only and deadlock: tap first, outside the branch,
+    and pass the tapped params into the branches; FSDP, whose forward gather
+    is a collective too, is checked the same way);
+    with microbatches each layer is tapped once per step (one tap per scanned
+    body, one scan over the stack, not nested in another loop).
+
+    Example:
+      >>> def body(x, p):
+      ...     p = jaxsync.tap(p)
+      ...     return block(p, x), None
+      >>> x, _ = jax.lax.scan(body, x, params["blocks"])
+    """
+    # Every jaxsync view of a stacked group (LayerStack here, FSDP's ShardedLayers,
+    # a 2-D step's DimStack) taps itself; anything else is the layer's own params.
+    own = getattr(type(layer), "jaxsync_tap", None)
+    return layer if own is None else own(layer)
+
+
+def is_view(x: Any) -> bool:
+    """jaxsync's stand-in for a stacked group (LayerStack, FSDP's sharded layers, a
+    2-D step's DimStack): each taps itself. The type is asked, not the view, whose
+    ``__getattr__`` refuses every name to catch a model reading it untapped."""
+    return hasattr(type(x), "jaxsync_tap")
+
+
