@@ -61,6 +61,9 @@ from jaxsync._src.optim.state import DistributedOptimizerState as DistributedOpt
 from jaxsync._src.optim.state import ShardedGrads as ShardedGrads
 from jaxsync._src.optim.state import StepMetrics as StepMetrics
 from jaxsync._src.step.builder import train_step as train_step
+from jaxsync._src.step.modes import DDP as DDP
+from jaxsync._src.step.modes import FSDP as FSDP
+from jaxsync._src.step.modes import ZeRO as ZeRO
 from jaxsync._src.step.nnx_bridge import merge_module as merge_module
 from jaxsync._src.step.nnx_bridge import scan_layers as scan_layers
 from jaxsync._src.step.step import TrainStep as TrainStep
@@ -104,6 +107,9 @@ __all__ = [
     "ownership_report",
     "whole_matrices",
     "Bucket",
+    "DDP",
+    "FSDP",
+    "ZeRO",
     "CheckpointMismatchError",
     "Checkpointer",
     "CollectiveSite",

@@ -91,9 +91,9 @@ def to_portable(ts: Any, state: TrainState, fn: str) -> dict[str, Any]:
     params, opt, guard = state.params, state.opt_state, state.guard
     if plan.dims is not None:
         params, opt, guard = spec_portable.to_portable(ts, plan, state, fn)
-    elif ts.mode == "zero":
+    elif ts.mode.name == "zero":
         opt = plan.tx.to_portable(opt, params, ts.mesh)
-    elif ts.mode == "fsdp":
+    elif ts.mode.name == "fsdp":
         params = plan.fs.unshard(params, ts.mesh)
         opt = fsdp_global.to_portable(plan.fs, opt, ts.mesh)
     return {
@@ -114,9 +114,9 @@ def portable_like(ts: Any, like: TrainState, fn: str) -> dict[str, Any]:
     guard = {} if like.guard is None else jax.tree.map(sds, like.guard)
     if plan.dims is not None:
         params, opt, guard = spec_portable.portable_like(ts, plan, like, fn)
-    elif ts.mode == "zero":
+    elif ts.mode.name == "zero":
         opt = plan.tx.portable_shapes(like.params, ts.mesh)
-    elif ts.mode == "fsdp":
+    elif ts.mode.name == "fsdp":
         rep = NamedSharding(ts.mesh, P())
         params = jax.tree.map(lambda t: jax.ShapeDtypeStruct(t.shape, jnp.float32, sharding=rep),
                               plan.template)  # fmt: skip
@@ -142,9 +142,9 @@ def from_portable(ts: Any, portable: dict[str, Any], like: TrainState, fn: str) 
     guard = None
     if plan.dims is not None:
         params, opt, guard = spec_portable.from_portable(ts, plan, portable, like)
-    elif ts.mode == "zero":
+    elif ts.mode.name == "zero":
         opt = plan.tx.from_portable(opt, params, ts.mesh)
-    elif ts.mode == "fsdp":
+    elif ts.mode.name == "fsdp":
         params = plan.fs.shard(params, ts.mesh)
         opt = fsdp_global.from_portable(plan.fs, opt, plan.template, ts.mesh)
     if guard is None and like.guard is not None:
@@ -160,7 +160,7 @@ def from_portable(ts: Any, portable: dict[str, Any], like: TrainState, fn: str) 
 def _described_tx(ts: Any, state: TrainState, fn: str) -> Any:
     """The optimizer a checkpoint records: ZeRO's distributed optimizer (on a 2-D
     mesh the one a 1-D step would build, whose portable form the state takes)."""
-    if ts.mode != "zero":
+    if ts.mode.name != "zero":
         return None
     plan = ts._plan(state, fn)
     return plan.tx if plan.dims is None else spec_portable.zero_optimizer(ts)
@@ -183,7 +183,7 @@ def save_state(
     tree = {**portable, "extra": extra or {}}
     checks = {
         "version": 1,
-        WHOLE_STATE: {"version": _VERSION, "mode": ts.mode},
+        WHOLE_STATE: {"version": _VERSION, "mode": ts.mode.name},
         "optimizer": describe_optimizer(tx, state.params, portable["opt_state"]),
         "checksums": tree_checksums(tree),
     }
@@ -204,10 +204,10 @@ def restore_state(
     record = (checks or {}).get(WHOLE_STATE)
     if record is None:
         raise CheckpointMismatchError(NOT_WHOLE_STATE.format(step=step, dir=ckpt.directory))
-    if record.get("mode") != ts.mode:
+    if record.get("mode") != ts.mode.name:
         raise CheckpointMismatchError(
             MODE_CHANGED.format(
-                step=step, dir=ckpt.directory, saved=record.get("mode"), now=ts.mode
+                step=step, dir=ckpt.directory, saved=record.get("mode"), now=ts.mode.name
             )
         )
     like = portable_like(ts, state_like, fn)

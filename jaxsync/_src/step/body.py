@@ -19,6 +19,7 @@ from ..fsdp.grad import split_microbatches
 from ..sync.grad_sync import accumulate_grads, all_reduce_grads, value_and_grad
 from ..sync.scan_sync import DataParallel
 from ..two_d.body import spec_body
+from .modes import deterministic_of
 from .parts import Plan, finish, loss_of, mean_loss, settle, unscale
 from .train_state import TrainState, global_stats, padding_of
 
@@ -27,17 +28,18 @@ def per_device(cfg: Any, plan: Plan, state: TrainState, batch: Any) -> tuple[Tra
     """One step on this device's rows: ``(new state, loss averaged over devices)``."""
     if plan.dims is not None:
         return spec_body(cfg, plan, state, batch)
-    body = {"zero": zero_body, "ddp": ddp_body, "fsdp": fsdp_body}[cfg.mode]
+    body = {"zero": zero_body, "ddp": ddp_body, "fsdp": fsdp_body}[cfg.mode.name]
     return body(cfg, plan, state, batch)
 
 
 def grads_of(cfg: Any, plan: Plan, state: TrainState, batch: Any, sync: Any) -> tuple[Any, Any]:
     loss = loss_of(cfg, plan, state)
-    rules = None if sync is not None else cfg.rules
+    det = deterministic_of(cfg.mode)
+    rules = None if sync is not None else getattr(cfg.mode, "rules", None)
     if cfg.microbatches == 1:
         vg = value_and_grad(
             loss, axis_name=cfg.axis_name, rules=rules, sync=sync, has_aux=True,
-            deterministic=cfg.deterministic,
+            deterministic=det,
         )  # fmt: skip
         return vg(state.params, batch)
     mbs = split_microbatches(cfg.microbatches, batch)
@@ -61,22 +63,22 @@ def zero_body(cfg: Any, plan: Plan, state: TrainState, batch: Any) -> tuple[Trai
 
 
 def ddp_body(cfg: Any, plan: Plan, state: TrainState, batch: Any) -> tuple[TrainState, Any]:
-    sync = None
+    mode, sync = cfg.mode, None
     if cfg.stacked:
         sync = DataParallel(
-            cfg.axis_name, bucket_size=cfg.bucket_size, reduce_dtype=cfg.reduce_dtype,
-            rules=cfg.rules, stacked=cfg.stacked,
+            cfg.axis_name, bucket_size=mode.bucket_size, reduce_dtype=mode.reduce_dtype,
+            rules=mode.rules, stacked=cfg.stacked,
         )  # fmt: skip
     (loss, rest), local = grads_of(cfg, plan, state, batch, sync)
     grads = local
     if sync is None:
         grads = all_reduce_grads(
-            local, axis_name=cfg.axis_name, bucket_size=cfg.bucket_size,
-            reduce_dtype=cfg.reduce_dtype, rules=cfg.rules, deterministic=cfg.deterministic,
+            local, axis_name=cfg.axis_name, bucket_size=mode.bucket_size,
+            reduce_dtype=mode.reduce_dtype, rules=mode.rules, deterministic=mode.deterministic,
         )  # fmt: skip
     grads = unscale(grads, state.loss_scale.scale)
     # Deterministic: per-device flags would depend on the DP size; flag units, as ZeRO.
-    units = nonfinite_flags(local) if cfg.deterministic is not None else None
+    units = nonfinite_flags(local) if mode.deterministic is not None else None
     flags = grads if units is not None else local
     return finish(cfg, plan, state, grads, flags, global_stats(grads), loss, rest, units)
 

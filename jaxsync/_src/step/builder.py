@@ -11,42 +11,32 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh
 
 from ..core.axes import AxisName, mesh_axes_size, normalize_axes
 from ..core.validate import check_bool, check_positive
-from ..deterministic.units import Deterministic, check_deterministic
-from ..fsdp.gather import MixedPrecision
-from ..layout.placement import check_bucket_size, normalize_stacked
+from ..layout.placement import normalize_stacked
 from ..optim.loss_scale import LossScale, check_loss_scale
-from ..sync.checks import check_rules
-from ..sync.finalize import SyncRules
 from .checks import labeled_tx
-from .step import MODES, TrainStep
+from .modes import Mode, deterministic_of, mode_of
+from .step import TrainStep
 
 
 def train_step(
     loss_fn: Callable[[Any, Any], jax.Array],
     tx: optax.GradientTransformation,
     mesh: Mesh,
+    mode: Mode | str = "zero",
     *,
-    mode: str = "zero",
     axis_name: AxisName = "data",
     microbatches: int = 1,
-    rules: SyncRules | None = None,
     stacked: str | Sequence[str] | None = None,
     clip_grad_norm: float | None = None,
     loss_scale: LossScale = None,
-    bucket_size: int | None = None,
-    reduce_dtype: Any = jnp.float32,
-    units: Sequence[str] | None = None,
-    policy: MixedPrecision | None = None,
-    reshard_after_forward: bool = True,
     donate: bool = True,
-    deterministic: Deterministic | bool | None = None,
     labels: Any = None,
+    **mode_options: Any,
 ) -> TrainStep:
     """Builds a jitted data-parallel training step: DDP, ZeRO or FSDP.
 
@@ -61,20 +51,21 @@ def train_step(
     Args:
       loss_fn: ``loss_fn(params, batch) -> scalar`` (the mean over the rows it is
         given), or ``loss_fn(model, batch)`` when ``init`` gets an ``nnx.Module``.
-      tx: any optax optimizer; ``"zero"`` and ``"fsdp"`` need an elementwise one
-        (checked at ``init``). Do not put ``optax.clip_by_global_norm`` in it:
-        pass ``clip_grad_norm``, which clips by the true global norm in every mode.
+      tx: any optax optimizer; ZeRO and FSDP need an elementwise one (checked at
+        ``init``). Do not put ``optax.clip_by_global_norm`` in it: pass
+        ``clip_grad_norm``, which clips by the true global norm in every mode.
       mesh: the device mesh; ``axis_name`` must be among its axes.
-      mode: ``"zero"`` (sharded fp32 master and optimizer state), ``"ddp"``
-        (replicated optimizer, bucketed all-reduce) or ``"fsdp"`` (params too
-        sharded, gathered per unit).
+      mode: a mode value carrying that mode's options: :class:`jaxsync.ZeRO`
+        (sharded fp32 master and optimizer state; the default),
+        :class:`jaxsync.DDP` (replicated optimizer, bucketed all-reduce) or
+        :class:`jaxsync.FSDP` (params too sharded, gathered per unit); or the
+        shorthand ``"zero"``, ``"ddp"``, ``"fsdp"`` for their defaults.
       axis_name: the data-parallel axis (or axes); the batch is split over it. Axes
         the model is sharded over (``"model"``, ``"expert"``) are not data axes, even
         when the batch is split over them too: place such a batch with its rows over
         the data axes first (``P(("data", "expert"))``) and the step keeps it so.
       microbatches: gradient accumulation: each device's rows are split into this
         many microbatches, run one after another and synced once.
-      rules: :class:`jaxsync.SyncRules` (``"ddp"``/``"zero"``).
       stacked: dotted name prefixes of scanned layer groups (``"blocks"``): their
         gradients are reduced inside the backward scan. The model runs them with
         :func:`jaxsync.scan_layers` (NNX) or ``lax.scan`` + :func:`jaxsync.tap`.
@@ -82,77 +73,49 @@ def train_step(
       loss_scale: ``None``, a constant, or a :class:`jaxsync.DynamicLossScale`
         (the loss is scaled and the gradients unscaled for you; non-finite steps
         are skipped in every mode).
-      bucket_size: elements per communication bucket (``"ddp"``/``"zero"``).
-      reduce_dtype: dtype of the gradient reduction (``"ddp"``/``"zero"``).
-      units: FSDP units (param-name prefixes); default one per top-level entry.
-      policy: FSDP :class:`jaxsync.MixedPrecision`.
-      reshard_after_forward: FSDP: gather again in the backward (less memory).
       donate: donate the state to the step (its buffers are reused).
-      deterministic: a :class:`jaxsync.Deterministic` (``"ddp"``/``"zero"``): results
-        bitwise identical at every data-parallel size dividing its ``units``.
       labels: per-param labels (a pytree of strings shaped like the params, or a
         function of the params returning one) when ``tx`` is a mapping ``label ->
         optax optimizer``, in every mode: e.g. weight decay on matrices only,
         without ``adamw(mask=...)``, which ZeRO and FSDP cannot run on flat shards
         (each label's params get flat buffers, FSDP: pieces of each unit, of their own).
+      **mode_options: the keywords this function took before modes were values
+        (``bucket_size``, ``reduce_dtype``, ``rules``, ``deterministic``, ``units``,
+        ``policy``, ``reshard_after_forward``), still accepted beside a string
+        ``mode`` they belong to; anything else is an error showing the mode value
+        to write.
 
     Returns:
       A :class:`TrainStep`.
 
     Example:
-      >>> step = jaxsync.train_step(loss_fn, optax.adamw(1e-3), mesh, mode="zero")
+      >>> step = jaxsync.train_step(loss_fn, optax.adamw(1e-3), mesh, jaxsync.ZeRO())
       >>> state = step.init(params)            # or an nnx.Module
       >>> state, loss = step(state, batch)     # host arrays are placed for you
       >>> params = step.params(state)
     """
-    if mode not in MODES:
-        raise ValueError(
-            f"`mode` must be one of {MODES} (replicated optimizer / ZeRO-1/2 / fully "
-            f"sharded), got {mode!r}."
-        )
+    mode = mode_of(mode, mode_options)
     if not callable(loss_fn):
         raise TypeError(f"`loss_fn` must be callable as loss_fn(params, batch), got {loss_fn!r}.")
-    _check_tx(tx, labels, mode)
+    _check_tx(tx, labels, mode.name)
     if not isinstance(mesh, Mesh):
         raise TypeError(f"`mesh` must be a jax.sharding.Mesh (jax.make_mesh), got {mesh!r}.")
     axes = normalize_axes(axis_name)
     mesh_axes_size(mesh, axes, "jaxsync.train_step")
     if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
         raise ValueError(f"`microbatches` must be a positive int, got {microbatches!r}.")
-    check_rules(rules)
-    if rules is not None and mode == "fsdp":
-        raise ValueError(
-            "`rules` are for mode='ddp' or 'zero'; FSDP shards every param over the data "
-            "axes. Drop `rules`, or use mode='zero'."
-        )
     check_loss_scale(loss_scale)
     check_bool(donate, "donate")
-    check_bool(reshard_after_forward, "reshard_after_forward")
-    if units is not None and mode != "fsdp":
-        raise ValueError(f"`units` are FSDP's; mode={mode!r} has none. Drop `units`.")
-    fp32 = reduce_dtype is not None and jnp.dtype(reduce_dtype) == jnp.float32
-    if mode == "fsdp" and (bucket_size is not None or not fp32):
-        raise ValueError(
-            "`bucket_size` and `reduce_dtype` are for mode='ddp' or 'zero': FSDP communicates "
-            "unit by unit, in `policy`'s dtypes (jaxsync.MixedPrecision(reduce_dtype=...))."
-        )
-    if policy is not None and mode != "fsdp":
-        raise ValueError(f"`policy` is FSDP's mixed precision; mode={mode!r}. Drop `policy`.")
-    det = check_deterministic(deterministic)
-    if det is not None and (mode == "fsdp" or microbatches > 1 or stacked or rules is not None):
-        what = (
-            f"mode={mode!r}" if mode == "fsdp" else
-            f"microbatches={microbatches}" if microbatches > 1 else
-            "`stacked`" if stacked else "`rules`"
-        )  # fmt: skip
+    det = deterministic_of(mode)
+    if det is not None and (microbatches > 1 or stacked):
+        what = f"microbatches={microbatches}" if microbatches > 1 else "`stacked`"
         fix = (
             "its units already run one after another on each device: raise "
             "Deterministic(units=...) instead" if microbatches > 1 else
-            "use mode='ddp' or 'zero' without `stacked` and `rules`"
+            "drop `stacked`"
         )  # fmt: skip
         raise ValueError(f"`deterministic` does not support {what}; {fix}.")
-    sharded_labels = labels if mode in ("zero", "fsdp") else None
-    if labels is not None and mode == "ddp":  # a replicated optimizer: optax's own way
+    if labels is not None and mode.name == "ddp":  # a replicated optimizer: optax's own way
         tx = labeled_tx(tx, labels)
     return TrainStep(
         loss_fn=loss_fn,
@@ -161,18 +124,11 @@ def train_step(
         mode=mode,
         axis_name=axes,
         microbatches=microbatches,
-        rules=rules,
         stacked=normalize_stacked(stacked),
         clip_grad_norm=check_positive(clip_grad_norm, "clip_grad_norm"),
         loss_scale=loss_scale,
-        bucket_size=check_bucket_size(bucket_size),
-        reduce_dtype=reduce_dtype,
-        units=None if units is None else tuple(units),
-        policy=policy,
-        reshard_after_forward=reshard_after_forward,
         donate=donate,
-        deterministic=det,
-        labels=sharded_labels,
+        labels=labels if mode.name in ("zero", "fsdp") else None,
     )
 
 

@@ -21,6 +21,7 @@ from ..core.names import param_name
 from ..core.specs import entry_axes
 from ..multihost.consistency import check_agree, describe_value, param_values, structure
 from ..optim.checks import check_labels
+from .modes import deterministic_of
 
 PyTree = Any
 
@@ -211,12 +212,12 @@ def check_param_shardings(params: PyTree, cfg: Any, fn: str) -> None:
     if first is None:
         return
     unsupported = [
-        (cfg.rules is not None, "`rules` (SyncRules)",
+        (getattr(cfg.mode, "rules", None) is not None, "`rules` (SyncRules)",
          "the compiler already reduces each gradient over the axes it shards; drop `rules`"),
-        (cfg.deterministic is not None, "`deterministic`",
+        (deterministic_of(cfg.mode) is not None, "`deterministic`",
          "its fixed-point sums need every param whole on each device; drop it, or pass "
          "the params replicated outside the data axes"),
-        (cfg.units is not None, "FSDP `units`",
+        (getattr(cfg.mode, "units", None) is not None, "FSDP `units`",
          "each param is gathered on its own where the model uses it; drop `units`"),
     ]  # fmt: skip
     for bad, what, fix in unsupported:

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from ..core.axes import varying_axes
 from ..sync.views import is_view, trace_views
 from .checks import check_loss
+from .modes import deterministic_of
 from .nnx_bridge import ModelDef
 from .train_state import GuardState, TrainState, guarded_update
 
@@ -51,7 +52,7 @@ def loss_of(cfg: Any, plan: Plan, state: TrainState) -> Callable[[Any, Any], Any
                 f"got {type(out).__name__} of shape {getattr(out, 'shape', None)}. Reduce "
                 "it with jnp.mean; return aux values through the model or params instead."
             )
-        check_loss(out, cfg.axis_name, cfg.mode, "jaxsync.train_step")
+        check_loss(out, cfg.axis_name, cfg.mode.name, "jaxsync.train_step")
         return out * scale.astype(out.dtype), rest
 
     return loss
@@ -117,7 +118,7 @@ def mean_loss(cfg: Any, loss: jax.Array, state: TrainState) -> jax.Array:
     """The loss averaged over the data axes, and over any other axis it varies
     over (a sequence-parallel loss computed piecewise over ``"tensor"``)."""
     loss = loss / state.loss_scale.scale.astype(loss.dtype)
-    if cfg.deterministic is not None:  # already the exact global mean, on every device
+    if deterministic_of(cfg.mode) is not None:  # already the exact global mean everywhere
         bad = jax.lax.pmax(jnp.logical_not(jnp.isfinite(loss)).astype(jnp.int32), cfg.axis_name)
         loss = jax.lax.pmax(loss, cfg.axis_name)
         # A skipped step: NaN, one bit pattern, at every N (its fixed-point sum is

@@ -31,15 +31,12 @@ from jax.sharding import PartitionSpec as P
 
 from ..core.names import group_of, param_name
 from ..core.specs import full_spec
-from ..deterministic.units import Deterministic
 from ..fsdp.fully_shard import fully_shard
-from ..fsdp.gather import MixedPrecision
 from ..multihost.data import place_batch
 from ..optim.loss_scale import LossScale, init_loss_scale
 from ..optim.optimizer import distributed_optimizer
 from ..optim.portable import signature
 from ..optim.state import initial_metrics
-from ..sync.finalize import SyncRules
 from ..two_d.plan import make_state, project, spec_layout, spec_master, spec_params
 from .body import per_device
 from .checks import (
@@ -51,6 +48,7 @@ from .checks import (
     check_state_alive,
     check_state_mesh,
 )
+from .modes import DDP, Mode, ZeRO, deterministic_of
 from .nnx_bridge import is_graphdef, is_module, merge_split, split_model
 from .parts import Plan
 from .train_state import GuardState, TrainState
@@ -72,20 +70,13 @@ class TrainStep:
     loss_fn: Callable[..., Any]
     tx: optax.GradientTransformation
     mesh: Mesh
-    mode: str
+    mode: Mode  # DDP, ZeRO or FSDP, each carrying only its own options
     axis_name: tuple[str, ...]
     microbatches: int
-    rules: SyncRules | None
     stacked: tuple[str, ...]
     clip_grad_norm: float | None
     loss_scale: LossScale
-    bucket_size: int | None
-    reduce_dtype: Any
-    units: tuple[str, ...] | None
-    policy: MixedPrecision | None
-    reshard_after_forward: bool
     donate: bool
-    deterministic: Deterministic | None
     labels: Any
     _plans: dict[Any, Plan] = dataclasses.field(default_factory=dict, repr=False)
     _stepped: list[bool] = dataclasses.field(default_factory=list, repr=False)
@@ -156,9 +147,9 @@ class TrainStep:
             raise TypeError(
                 f"{fn}: `params` must be a non-empty pytree of arrays or an nnx.Module; {what}."
             )
-        check_float_params(params, self.mode, fn)
+        check_float_params(params, self.mode.name, fn)
         check_param_shardings(params, self, fn)
-        check_deterministic_state(self.deterministic, rest, self.mode, fn)
+        check_deterministic_state(deterministic_of(self.mode), rest, self.mode.name, fn)
         return model, params, rest
 
     def _make(
@@ -172,26 +163,26 @@ class TrainStep:
         mesh, axes, rep = self.mesh, self.axis_name, NamedSharding(self.mesh, P())
         n_leaves = len(jax.tree.leaves(params))
         template = _template(params)
-        fs, tx = None, self.tx
-        if self.mode == "zero":
+        fs, tx, mode = None, self.tx, self.mode
+        if isinstance(mode, ZeRO):
             tx = distributed_optimizer(
-                self.tx, axis_name=axes, bucket_size=self.bucket_size,
-                reduce_dtype=self.reduce_dtype, clip_grad_norm=self.clip_grad_norm,
-                loss_scale=self.loss_scale, rules=self.rules, stacked=self.stacked or None,
-                deterministic=self.deterministic, labels=self.labels,
+                self.tx, axis_name=axes, bucket_size=mode.bucket_size,
+                reduce_dtype=mode.reduce_dtype, clip_grad_norm=self.clip_grad_norm,
+                loss_scale=self.loss_scale, rules=mode.rules, stacked=self.stacked or None,
+                deterministic=mode.deterministic, labels=self.labels,
             )  # fmt: skip
             opt_state = tx.sharded_init(params, mesh)
             opt_specs = tx.state_specs(params, mesh)
             param_specs, held, n_flags = jax.tree.map(lambda _: P(), params), params, n_leaves
-        elif self.mode == "ddp":
+        elif isinstance(mode, DDP):
             init = jax.shard_map(self.tx.init, mesh=mesh, in_specs=(P(),), out_specs=P())
             opt_state = jax.jit(init)(params)
             opt_specs = jax.tree.map(lambda _: P(), opt_state)
             param_specs, held, n_flags = jax.tree.map(lambda _: P(), params), params, n_leaves
         else:
             fs = fully_shard(
-                params, axis_name=axes, units=self.units or _default_units(params, self.stacked),
-                mesh=mesh, policy=self.policy, reshard_after_forward=self.reshard_after_forward,
+                params, axis_name=axes, units=mode.units or _default_units(params, self.stacked),
+                mesh=mesh, policy=mode.policy, reshard_after_forward=mode.reshard_after_forward,
                 stacked=self.stacked or None, labels=self.labels,
             )  # fmt: skip
             held = fs.shard(params)
@@ -199,7 +190,7 @@ class TrainStep:
             opt_state, opt_specs = fs.init_optimizer(tx, held, mesh)
             param_specs, n_flags = fs.specs(), len(fs.units)
         guard = None
-        if self.mode != "zero":
+        if not isinstance(mode, ZeRO):
             guard = jax.device_put(
                 GuardState(init_loss_scale(self.loss_scale), initial_metrics(n_flags)), rep
             )
@@ -274,7 +265,7 @@ class TrainStep:
             )
             return jax.jit(
                 body, donate_argnums=donate,
-                compiler_options=step_compiler_options(self.mode, two_d=False),
+                compiler_options=step_compiler_options(self.mode.name, two_d=False),
             )  # fmt: skip
         # Manual over the data axes (and any axis no param uses); the compiler
         # partitions the rest, and the jit pins the state's whole shardings.
@@ -288,7 +279,8 @@ class TrainStep:
         whole = jax.tree.map(lambda s: NamedSharding(self.mesh, s), plan.specs, is_leaf=is_spec)
         return jax.jit(
             body, in_shardings=(whole, None), out_shardings=(whole, NamedSharding(self.mesh, P())),
-            donate_argnums=donate, compiler_options=step_compiler_options(self.mode, two_d=True),
+            donate_argnums=donate,
+            compiler_options=step_compiler_options(self.mode.name, two_d=True),
         )  # fmt: skip
 
     # ------------------------------------------------------------ state API
@@ -337,7 +329,7 @@ class TrainStep:
             return spec_master(self, plan, state)
         if plan.fs is not None:
             return plan.fs.unshard(state.params)
-        if self.mode == "ddp":
+        if isinstance(self.mode, DDP):
             return jax.tree.map(lambda x: x.astype(jnp.float32), state.params)
         master = plan.tx.to_portable(state.opt_state, state.params, self.mesh)["master"]
         return jax.tree_util.tree_map_with_path(

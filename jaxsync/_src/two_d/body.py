@@ -39,15 +39,15 @@ def spec_body(cfg: Any, plan: Any, state: TrainState, batch: Any) -> tuple[Train
     """One 2-D step on this data rank's rows (inside the data-manual shard_map)."""
 
     layout: SpecLayout = plan.dims
-    data, mode, k = layout.data, cfg.mode, cfg.microbatches
+    data, mode, k = layout.data, cfg.mode.name, cfg.microbatches
     n = jax.lax.axis_size(data)
     fsdp, scatter = mode == "fsdp", mode != "ddp"
     once = k > 1 and not fsdp
-    policy = cfg.policy
+    policy = cfg.mode.policy if fsdp else None
     sync = DimSync(
         axes=data,
         reduce_dtype=jnp.dtype(
-            (policy.reduce_dtype if fsdp and policy is not None else cfg.reduce_dtype)
+            (policy.reduce_dtype if policy is not None else getattr(cfg.mode, "reduce_dtype", None))
             or jnp.float32
         ).name,
         factor=1.0 / (n * k),

@@ -131,7 +131,7 @@ def make_state(
     params = jax.jit(
         lambda t: jax.tree.map(jnp.copy, t), out_shardings=jax.tree.map(sharding, param_specs)
     )(params)
-    if cfg.mode == "ddp":
+    if cfg.mode.name == "ddp":
         held, held_specs, trained = params, param_specs, params
     else:
         master = jax.jit(
@@ -139,11 +139,12 @@ def make_state(
             out_shardings=jax.tree.map(sharding, shard_specs),
         )(params)
         trained = master
-        held, held_specs = (master, shard_specs) if cfg.mode == "fsdp" else (params, param_specs)
-    inner_specs = _state_specs(tx, trained, shard_specs if cfg.mode != "ddp" else param_specs)
+        fsdp = cfg.mode.name == "fsdp"
+        held, held_specs = (master, shard_specs) if fsdp else (params, param_specs)
+    inner_specs = _state_specs(tx, trained, shard_specs if cfg.mode.name != "ddp" else param_specs)
     inner = jax.jit(tx.init, out_shardings=jax.tree.map(sharding, inner_specs))(trained)
     opt_state, opt_specs = inner, inner_specs
-    if cfg.mode == "zero":
+    if cfg.mode.name == "zero":
         opt_state = SpecZeroState(trained, inner)
         opt_specs = SpecZeroState(shard_specs, inner_specs)
     rep = NamedSharding(mesh, P())
@@ -192,16 +193,16 @@ def specs_by_param(tree: PyTree, named: Mapping[str, tuple[tuple[int, ...], P]])
 
 def spec_params(cfg: Any, plan: Any, state: TrainState) -> PyTree:
     """The whole params in their own dtypes and shardings (FSDP: gathered)."""
-    if cfg.mode != "fsdp":
+    if cfg.mode.name != "fsdp":
         return state.params
     return _unsharded(cfg, plan, state.params, cast=True)
 
 
 def spec_master(cfg: Any, plan: Any, state: TrainState) -> PyTree:
     """The fp32 master weights, whole, sharded like the params."""
-    if cfg.mode == "ddp":
+    if cfg.mode.name == "ddp":
         return jax.tree.map(lambda x: x.astype(jnp.float32), state.params)
-    held = state.params if cfg.mode == "fsdp" else state.opt_state.master
+    held = state.params if cfg.mode.name == "fsdp" else state.opt_state.master
     return _unsharded(cfg, plan, held, cast=False)
 
 

@@ -205,10 +205,10 @@ def zero_optimizer(ts: Any) -> Any:
     if ts in _ZERO_OPTIMIZERS:
         return _ZERO_OPTIMIZERS[ts]
     _ZERO_OPTIMIZERS[ts] = tx = distributed_optimizer(
-        ts.tx, axis_name=ts.axis_name, bucket_size=ts.bucket_size,
-        reduce_dtype=ts.reduce_dtype, clip_grad_norm=ts.clip_grad_norm,
-        loss_scale=ts.loss_scale, rules=ts.rules, stacked=ts.stacked or None,
-        deterministic=ts.deterministic, labels=ts.labels,
+        ts.tx, axis_name=ts.axis_name, bucket_size=ts.mode.bucket_size,
+        reduce_dtype=ts.mode.reduce_dtype, clip_grad_norm=ts.clip_grad_norm,
+        loss_scale=ts.loss_scale, rules=ts.mode.rules, stacked=ts.stacked or None,
+        deterministic=ts.mode.deterministic, labels=ts.labels,
     )  # fmt: skip
     return tx
 
@@ -238,8 +238,8 @@ def _fsdp_groups(ts: Any, layout: SpecLayout) -> list[tuple[str, frozenset[str]]
 def _units(ts: Any, layout: SpecLayout) -> list[tuple[int, ...]]:
     """Leaf indices of each unit of the FSDP plan a 1-D step would build."""
     names = [p.name for p in layout.leaves()]
-    if ts.units:
-        units = tuple(ts.units) + tuple(g for g in ts.stacked if g not in ts.units)
+    if ts.mode.units:
+        units = tuple(ts.mode.units) + tuple(g for g in ts.stacked if g not in ts.mode.units)
     else:  # the 1-D default: one unit per top-level entry, stacked groups their own
         tops = {n.split(".")[0]: None for n in names if group_of(n, ts.stacked) is None}
         units = tuple(tops) + tuple(ts.stacked)
@@ -270,7 +270,7 @@ def unfold_metrics(metrics: StepMetrics, units: list[tuple[int, ...]]) -> StepMe
 
 def _portable_fn(ts: Any, layout: SpecLayout, fn: str) -> Callable[..., tuple]:
     """``(params, opt_state, guard)`` of a 2-D state -> their 1-D portable form."""
-    mode = ts.mode
+    mode = ts.mode.name
     why = NOT_PORTABLE.format(fn=fn, mode=mode, why="{why}")
     is_tree = _param_tree(_treedef(layout))
     plans = _plans(layout)
@@ -355,7 +355,7 @@ def from_portable(
     """Inverse of :func:`to_portable`: ``(params, opt_state, guard)`` placed as in
     ``like`` (this step's layout: any data and model axis sizes)."""
     layout: SpecLayout = plan.dims
-    mode = ts.mode
+    mode = ts.mode.name
     is_tree = _param_tree(_treedef(layout))
     # Only structure and dtypes are read from ``like``: no array of it enters the program.
     like_opt = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), like.opt_state)

@@ -1,0 +1,208 @@
+"""The data-parallel modes of :func:`jaxsync.train_step`, as values.
+
+Each mode is a frozen value that carries only its own options, the way
+Megatron-Core keeps a ``DistributedDataParallelConfig`` and FSDP2 a
+``MixedPrecisionPolicy``: ``jaxsync.FSDP(units=...)`` has no ``bucket_size`` and
+``jaxsync.ZeRO(...)`` no ``units``, so a wrong mix cannot be written, only a
+typo, which Python refuses. The strings ``"ddp"``, ``"zero"`` and ``"fsdp"`` stay
+as shorthand for the defaults; :func:`mode_of` turns either form (and the
+keywords ``train_step`` took before the values existed) into one value, checked
+once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import jax.numpy as jnp
+
+from ..core.validate import check_bool, check_float_dtype
+from ..deterministic.units import Deterministic, check_deterministic
+from ..fsdp.gather import MixedPrecision
+from ..layout.placement import check_bucket_size
+from ..sync.checks import check_rules
+from ..sync.finalize import SyncRules
+
+
+@dataclasses.dataclass(frozen=True)
+class _Bucketed:
+    """Options shared by the two modes that reduce flat, bucketed buffers."""
+
+    bucket_size: int | None = None
+    reduce_dtype: Any = jnp.float32
+    rules: SyncRules | None = None
+    deterministic: Deterministic | None = None
+
+    name: ClassVar[str]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "bucket_size", check_bucket_size(self.bucket_size))
+        check_float_dtype(self.reduce_dtype, f"{type(self).__name__}.reduce_dtype", allow_none=True)
+        check_rules(self.rules)
+        det = check_deterministic(self.deterministic, f"{type(self).__name__}.deterministic")
+        object.__setattr__(self, "deterministic", det)
+        if det is not None and self.rules is not None:
+            raise ValueError(
+                f"{type(self).__name__}: `deterministic` supports plain data parallelism only; "
+                "drop `rules`, or drop `deterministic`."
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class DDP(_Bucketed):
+    """Plain data parallelism: a replicated optax state, local gradients all-reduced
+    bucket by bucket (Megatron's ``DistributedDataParallel``).
+
+    Attributes:
+      bucket_size: elements per communication bucket (None: one bucket per buffer).
+      reduce_dtype: dtype of the gradient reduction (fp32 by default, also for bf16
+        models).
+      rules: :class:`jaxsync.SyncRules` for params not reduced over the data axes
+        alone (tied, sequence-parallel, expert-parallel).
+      deterministic: a :class:`jaxsync.Deterministic` (or True): results bitwise
+        identical at every data-parallel size dividing its ``units``.
+
+    Example:
+      >>> step = jaxsync.train_step(loss_fn, optax.adam(1e-3), mesh, jaxsync.DDP(bucket_size=2**22))
+    """
+
+    name: ClassVar[str] = "ddp"
+
+
+@dataclasses.dataclass(frozen=True)
+class ZeRO(_Bucketed):
+    """The distributed optimizer (ZeRO-1/2): gradients reduce-scattered bucket by bucket,
+    each rank updating its shard of the fp32 master weights and optimizer state, then
+    all-gathering the params. The default mode.
+
+    Attributes: as :class:`DDP`'s.
+
+    Example:
+      >>> step = jaxsync.train_step(loss_fn, optax.adamw(1e-3), mesh, jaxsync.ZeRO())
+    """
+
+    name: ClassVar[str] = "zero"
+
+
+@dataclasses.dataclass(frozen=True)
+class FSDP:
+    """Fully sharded data parallelism (ZeRO-3 / FSDP2): params, gradients and optimizer
+    state all sharded, each unit gathered when the model reads it.
+
+    Attributes:
+      units: FSDP units as dotted param-name prefixes (default: one per top-level
+        entry; stacked groups are their own units, gathered layer by layer).
+      policy: the :class:`jaxsync.MixedPrecision` policy (gather, compute and
+        reduction dtypes).
+      reshard_after_forward: free each gathered unit after the forward and gather it
+        again in the backward (less memory, one more all-gather per unit).
+
+    Example:
+      >>> fsdp = jaxsync.FSDP(policy=jaxsync.MixedPrecision(param_dtype=jnp.bfloat16))
+      >>> step = jaxsync.train_step(loss_fn, optax.adamw(1e-3), mesh, fsdp)
+    """
+
+    units: tuple[str, ...] | None = None
+    policy: MixedPrecision | None = None
+    reshard_after_forward: bool = True
+
+    name: ClassVar[str] = "fsdp"
+
+    def __post_init__(self) -> None:
+        if self.units is not None:
+            if isinstance(self.units, str) or not isinstance(self.units, Sequence):
+                raise TypeError(
+                    f"`FSDP.units` must be a sequence of param-name prefixes, e.g. "
+                    f"('embed', 'blocks', 'head'), got {self.units!r}."
+                )
+            object.__setattr__(self, "units", tuple(self.units))
+        if self.policy is not None and not isinstance(self.policy, MixedPrecision):
+            raise TypeError(
+                f"`FSDP.policy` must be a jaxsync.MixedPrecision, got {self.policy!r}."
+            )
+        check_bool(self.reshard_after_forward, "FSDP.reshard_after_forward")
+
+
+Mode = DDP | ZeRO | FSDP
+MODES: dict[str, type] = {"ddp": DDP, "zero": ZeRO, "fsdp": FSDP}
+
+#: ``train_step`` keywords that became options of a mode value.
+MODE_OPTIONS = {
+    "bucket_size": (DDP, ZeRO),
+    "reduce_dtype": (DDP, ZeRO),
+    "rules": (DDP, ZeRO),
+    "deterministic": (DDP, ZeRO),
+    "units": (FSDP,),
+    "policy": (FSDP,),
+    "reshard_after_forward": (FSDP,),
+}
+
+
+def _spelling(cls: type, options: dict[str, Any]) -> str:
+    args = ", ".join(f"{k}={v!r}" for k, v in options.items())
+    return f"jaxsync.{cls.__name__}({args})"
+
+
+def mode_of(mode: Any, options: dict[str, Any], fn: str = "jaxsync.train_step") -> Mode:
+    """``mode`` (a string or a mode value) and the old per-mode keywords as one value.
+
+    The keywords still work with a string (``mode="fsdp", units=...``); one that
+    belongs to another mode, or given beside a mode value, is an error that shows
+    the value to write instead.
+    """
+    unknown = sorted(set(options) - set(MODE_OPTIONS))
+    if unknown:
+        raise TypeError(f"{fn}() got unexpected keyword argument(s) {unknown}.")
+    if isinstance(mode, DDP | ZeRO | FSDP):
+        cls = type(mode)
+        for key, value in options.items():
+            if cls not in MODE_OPTIONS[key]:
+                raise TypeError(_foreign(key, value, f"jaxsync.{cls.__name__}"))
+        if options:
+            merged = {
+                **{f.name: getattr(mode, f.name) for f in dataclasses.fields(mode)
+                   if getattr(mode, f.name) != f.default},
+                **options,
+            }  # fmt: skip
+            raise TypeError(
+                f"{fn}: {sorted(options)} are options of the mode; pass them inside it: "
+                f"{_spelling(cls, merged)}."
+            )
+        return mode
+    if not isinstance(mode, str) or mode not in MODES:
+        raise ValueError(
+            f"`mode` must be jaxsync.DDP(...), jaxsync.ZeRO(...) or jaxsync.FSDP(...) (or "
+            f"the shorthand 'ddp', 'zero' or 'fsdp'), got {mode!r}."
+        )
+    cls = MODES[mode]
+    mine = {}
+    for key, value in options.items():
+        owners = MODE_OPTIONS[key]
+        if cls in owners:
+            mine[key] = value
+        elif not _is_default(owners[0], key, value):  # the old defaults meant "not given"
+            raise ValueError(_foreign(key, value, f"mode={mode!r}"))
+    return cls(**mine)
+
+
+def _foreign(key: str, value: Any, mode: str) -> str:
+    owners = MODE_OPTIONS[key]
+    names = " or ".join(f"jaxsync.{c.__name__}" for c in owners)
+    return (
+        f"`{key}` is an option of {names}, not of {mode}. Drop `{key}`, or train with "
+        f"{_spelling(owners[-1], {key: value})}."
+    )
+
+
+def _is_default(cls: type, key: str, value: Any) -> bool:
+    default = {f.name: f.default for f in dataclasses.fields(cls)}[key]
+    if key == "reduce_dtype":
+        return value is None or jnp.dtype(value) == jnp.dtype(default)
+    return value is default or (key == "deterministic" and value is False)
+
+
+def deterministic_of(mode: Mode) -> Deterministic | None:
+    """The mode's :class:`jaxsync.Deterministic`, or None (FSDP has none)."""
+    return mode.deterministic if isinstance(mode, _Bucketed) else None
