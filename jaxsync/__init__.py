@@ -58,7 +58,6 @@ from jaxsync._src.optim.routing import OwnershipReport as OwnershipReport
 from jaxsync._src.optim.routing import muon_labels as muon_labels
 from jaxsync._src.optim.routing import ownership_report as ownership_report
 from jaxsync._src.optim.state import DistributedOptimizerState as DistributedOptimizerState
-from jaxsync._src.optim.state import ShardedGrads as ShardedGrads
 from jaxsync._src.optim.state import StepMetrics as StepMetrics
 from jaxsync._src.step.builder import train_step as train_step
 from jaxsync._src.step.modes import DDP as DDP
@@ -85,6 +84,7 @@ from jaxsync._src.sync.grad_sync import sync_grads as sync_grads
 from jaxsync._src.sync.grad_sync import value_and_grad as value_and_grad
 from jaxsync._src.sync.layer_tap import LayerStack as LayerStack
 from jaxsync._src.sync.scan_sync import DataParallel as DataParallel
+from jaxsync._src.sync.scan_sync import ShardedGrads as ShardedGrads
 from jaxsync._src.sync.views import tap as tap
 
 __version__ = "0.1.0"

@@ -86,6 +86,33 @@ def test_no_import_circles():
     )
 
 
+def package_graph(graph: dict[str, set[str]], root: str = "jaxsync._src") -> dict[str, set[str]]:
+    """The module graph folded onto the packages directly under ``root``."""
+
+    def package(m: str) -> str | None:
+        rest = m[len(root) + 1 :].split(".") if m.startswith(root + ".") else None
+        return rest[0] if rest and len(rest) > 1 else None
+
+    folded: dict[str, set[str]] = {}
+    for m, deps in graph.items():
+        if (p := package(m)) is not None:
+            folded.setdefault(p, set()).update(
+                q for d in deps if (q := package(d)) is not None and q != p
+            )
+    return folded
+
+
+def test_packages_form_layers():
+    """Packages depend one way: core < layout < deterministic < sync < optim < fsdp <
+    step < checkpoint (gpu and multihost beside them). A reader following a gradient
+    never climbs back into a package it left."""
+    graph = package_graph(import_graph(SRC))
+    assert {"core", "sync", "optim", "fsdp", "step", "checkpoint"} <= set(graph)
+    found = circles(graph)
+    assert not found, f"packages that import each other: {found}"
+    assert graph["core"] == set(), f"core must build on no other package: {graph['core']}"
+
+
 def test_the_checker_sees_a_planted_circle(tmp_path):
     """A circle through a function-level import and one under TYPE_CHECKING are found."""
     pkg = tmp_path / "pkg"

@@ -267,8 +267,8 @@ def test_nnx_scanned_module_keeps_its_tensor_parallel_kernel():
 def test_dim_collectives_match_numpy(shape, spec, dim, spread, padded):
     """Each data rank's gradient reduce-scattered (ZeRO), all-reduced (DDP) and the
     shards gathered back, on (data=4, model=2), against numpy sums."""
-    from jaxsync._src.two_d.dims import DimSync, gather, plan_param, reduce, unpad
-    from jaxsync._src.two_d.plan import project
+    from jaxsync._src.step.two_d.dims import DimSync, gather, plan_param, reduce, unpad
+    from jaxsync._src.step.two_d.plan import project
 
     mesh = mesh_2d()
     plan = plan_param("w", shape, np.float32, spec, 4, False, {"model": 2})

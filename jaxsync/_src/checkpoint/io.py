@@ -1,11 +1,11 @@
 """The reading and writing under :class:`jaxsync.Checkpointer`: one orbax manager.
 
 Every save goes through :meth:`CheckpointIO._check_save` and ``_write`` (which
-takes the directory's writer marker, see ``checkpoint_lock.py``), every
+takes the directory's writer marker, see ``checkpoint.lock.py``), every
 restore through ``_record`` (jaxsync's JSON record and the saved tree's
 metadata) and ``_read`` (arrays in their saved dtypes, checksums verified).
 The public methods live in ``checkpoint.py`` (params and optimizer state) and
-``train_state_checkpoint.py`` (a whole TrainState).
+``checkpoint.train_state.py`` (a whole TrainState).
 """
 
 from __future__ import annotations

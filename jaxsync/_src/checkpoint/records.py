@@ -1,7 +1,7 @@
 """What a checkpoint records besides its arrays, and the messages of its checks.
 
 Shared by :class:`jaxsync.Checkpointer` (``checkpoint.py``) and the whole-state
-checkpoints (``train_state_checkpoint.py``): names and shapes compared in a
+checkpoints (``checkpoint.train_state.py``): names and shapes compared in a
 neutral dotted form, the JSON check of ``meta``, and the error texts.
 """
 

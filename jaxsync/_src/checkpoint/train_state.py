@@ -20,7 +20,7 @@ What the checkpoint lacks is named, never re-initialised.
 
 A state of a step whose params are also sharded over other mesh axes (2-D,
 tensor parallelism by specs) is written in the same form as a 1-D step's
-(:mod:`spec_portable`): a checkpoint moves between ``data=8`` and
+(:mod:`jaxsync._src.step.two_d.portable`): a checkpoint moves between ``data=8`` and
 ``(data=4, model=2)`` in both directions.
 """
 
@@ -33,9 +33,9 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ..fsdp import shards as fsdp_global
+from ..fsdp import shards as fsdp_shards
 from ..step.train_state import TrainState
-from ..two_d import portable as spec_portable
+from ..step.two_d import portable as two_d_portable
 from .checksum import tree_checksums
 from .describe import describe_optimizer, optimizer_differences
 from .records import CheckpointMismatchError, compare_trees
@@ -90,12 +90,12 @@ def to_portable(ts: Any, state: TrainState, fn: str) -> dict[str, Any]:
     plan = ts._plan(state, fn)
     params, opt, guard = state.params, state.opt_state, state.guard
     if plan.dims is not None:
-        params, opt, guard = spec_portable.to_portable(ts, plan, state, fn)
+        params, opt, guard = two_d_portable.to_portable(ts, plan, state, fn)
     elif ts.mode.name == "zero":
         opt = plan.tx.to_portable(opt, params, ts.mesh)
     elif ts.mode.name == "fsdp":
         params = plan.fs.unshard(params, ts.mesh)
-        opt = fsdp_global.to_portable(plan.fs, opt, ts.mesh)
+        opt = fsdp_shards.to_portable(plan.fs, opt, ts.mesh)
     return {
         "step": state.step,
         "params": params,
@@ -113,14 +113,14 @@ def portable_like(ts: Any, like: TrainState, fn: str) -> dict[str, Any]:
     params, opt = jax.tree.map(sds, like.params), jax.tree.map(sds, like.opt_state)
     guard = {} if like.guard is None else jax.tree.map(sds, like.guard)
     if plan.dims is not None:
-        params, opt, guard = spec_portable.portable_like(ts, plan, like, fn)
+        params, opt, guard = two_d_portable.portable_like(ts, plan, like, fn)
     elif ts.mode.name == "zero":
         opt = plan.tx.portable_shapes(like.params, ts.mesh)
     elif ts.mode.name == "fsdp":
         rep = NamedSharding(ts.mesh, P())
         params = jax.tree.map(lambda t: jax.ShapeDtypeStruct(t.shape, jnp.float32, sharding=rep),
                               plan.template)  # fmt: skip
-        opt = fsdp_global.portable_like(plan.fs, opt, plan.template, ts.mesh)
+        opt = fsdp_shards.portable_like(plan.fs, opt, plan.template, ts.mesh)
     model_state = jax.tree.map(
         lambda x: sds(jax.eval_shape(jax.random.key_data, x), x.sharding)
         if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else sds(x),
@@ -141,12 +141,12 @@ def from_portable(ts: Any, portable: dict[str, Any], like: TrainState, fn: str) 
     params, opt = portable["params"], portable["opt_state"]
     guard = None
     if plan.dims is not None:
-        params, opt, guard = spec_portable.from_portable(ts, plan, portable, like)
+        params, opt, guard = two_d_portable.from_portable(ts, plan, portable, like)
     elif ts.mode.name == "zero":
         opt = plan.tx.from_portable(opt, params, ts.mesh)
     elif ts.mode.name == "fsdp":
         params = plan.fs.shard(params, ts.mesh)
-        opt = fsdp_global.from_portable(plan.fs, opt, plan.template, ts.mesh)
+        opt = fsdp_shards.from_portable(plan.fs, opt, plan.template, ts.mesh)
     if guard is None and like.guard is not None:
         guard = jax.tree.unflatten(
             jax.tree.structure(like.guard), jax.tree.leaves(portable["guard"])
@@ -163,7 +163,7 @@ def _described_tx(ts: Any, state: TrainState, fn: str) -> Any:
     if ts.mode.name != "zero":
         return None
     plan = ts._plan(state, fn)
-    return plan.tx if plan.dims is None else spec_portable.zero_optimizer(ts)
+    return plan.tx if plan.dims is None else two_d_portable.zero_optimizer(ts)
 
 
 def save_state(

@@ -1,4 +1,8 @@
-"""TODO(validate): split from checks."""
+"""Argument checks shared by every entry point: numbers, booleans, dtypes, param specs, losses.
+
+They run before anything is traced, so a wrong option fails with its name in the
+message instead of deep inside a jitted program.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +14,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
+
+from .axes import varying_axes
+from .names import param_name
 
 PyTree = Any
 
@@ -103,3 +110,68 @@ def check_param_specs(params: PyTree, specs: PyTree, mesh: Any) -> None:
                 )
 
 
+LOSS_REDUCED = (
+    "jaxsync.value_and_grad: the loss returned by `fun` is already reduced over {axes} "
+    "(typed invariant over them: a `jax.lax.pmean`/`psum` inside the loss function). "
+    "Its gradients are then divided by the number of ranks once in the loss and again "
+    "by the sync, which averages the local gradients. Return this device's local "
+    "loss from `fun` and `jax.lax.pmean(loss, {axis_name!r})` it outside, for logging."
+)
+
+
+
+def check_local_loss(out: Any, axes: tuple[str, ...], has_aux: bool, axis_name: Any) -> None:
+    """The loss :func:`jaxsync.value_and_grad` returns must vary over the data axes."""
+    loss = out[0] if has_aux else out
+    reduced = [a for a in axes if a not in varying_axes(loss)]
+    if reduced:
+        raise TypeError(LOSS_REDUCED.format(axes=reduced, axis_name=axis_name))
+
+
+INTEGER_LOSS = (
+    "`loss_fn` returned a loss of dtype {dtype}: gradients of an integer loss are zero "
+    "(float0), so nothing would train. Compute the loss in floating point (e.g. "
+    "`jnp.mean(x.astype(jnp.float32))`)."
+)
+
+
+
+INTEGER_PARAM = (
+    "{fn}: param {param} has dtype {dtype} and shape {shape}; only floating-point params "
+    "can be trained and synced in mode={mode!r} (an integer param would be trained as a "
+    "float and truncated). Keep integer state (counters, rng keys, masks) outside the "
+    "params: as a constant of the loss function, in the batch, or (flax NNX) in a "
+    "variable that is not an `nnx.Param`, which the step keeps in `state.model_state`."
+)
+
+
+
+LOSS_ALREADY_REDUCED = (
+    "{fn}: the loss returned by `loss_fn` is already reduced over {axes} (typed invariant "
+    "over them: a `jax.lax.pmean`/`psum` inside the loss function), in mode={mode!r}. Its "
+    "gradients would then be divided by the number of devices once in the loss and again "
+    "by the sync. Return this device's own mean loss; the step averages it for you."
+)
+
+
+
+def check_float_params(params: PyTree, mode: str, fn: str) -> None:
+    """Integer params cannot be trained in any mode."""
+    for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
+        dtype = getattr(x, "dtype", None)
+        if dtype is not None and not jnp.issubdtype(dtype, jnp.inexact):
+            raise TypeError(
+                INTEGER_PARAM.format(
+                    fn=fn, param=param_name(path), dtype=dtype, shape=tuple(np.shape(x)), mode=mode
+                )
+            )
+
+
+
+def check_loss(out: Any, axes: tuple[str, ...], mode: str, fn: str) -> None:
+    """The per-device loss: floating, and not reduced over the data axes yet."""
+    if hasattr(out, "dtype") and not jnp.issubdtype(out.dtype, jnp.inexact):
+        raise TypeError(INTEGER_LOSS.format(dtype=out.dtype))
+    reduced = [a for a in axes if a not in varying_axes(out)]
+    if reduced:
+        raise TypeError(LOSS_ALREADY_REDUCED.format(fn=fn, axes=reduced, mode=mode))

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from ..core.axes import axes_size, bound_axes, to_varying
-from ..sync.checks import check_local_loss
+from ..core.validate import check_local_loss
 from .fixed_point import MAX_ADDENDS, unit_sum
 
 PyTree = Any

@@ -9,7 +9,7 @@ the gather), so ``jax.grad`` with respect to the shards returns sharded,
 reduced gradients and any elementwise optax optimizer updates the shards in
 place. A unit is also the communication bucket: one all-gather and one
 reduce-scatter per unit per step (two all-gathers with ``reshard_after_forward``).
-With ``labels`` each unit's shard holds one piece per label (:mod:`fsdp_unit`),
+With ``labels`` each unit's shard holds one piece per label (:mod:`fsdp.unit`),
 and :meth:`FullyShard.multi_transform` runs one optimizer per label on them.
 """
 
@@ -27,10 +27,9 @@ from jax.sharding import PartitionSpec as P
 
 from ..core.axes import AxisName, bound_axes, mesh_axes_size, normalize_axes
 from ..core.names import param_name
-from ..core.validate import check_bool
+from ..core.validate import check_bool, check_float_params
 from ..layout.layout import BufferKey, Layout
 from ..layout.placement import normalize_stacked, stack_layers
-from ..step.checks import check_float_params
 from .gather import MixedPrecision, cast_floats, gather_shard, reduce_shard
 from .grad import check_microbatches as check_microbatches
 from .grad import value_and_grad as _value_and_grad

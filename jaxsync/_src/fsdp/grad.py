@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from ..core.axes import to_varying
-from ..step.checks import check_loss
+from ..core.validate import check_loss
 from ..sync.tap_rules import check_no_gather_under_cond
 from ..sync.views import call_with_views
 

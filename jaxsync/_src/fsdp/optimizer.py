@@ -1,10 +1,10 @@
 """The optimizer over FSDP shards: init, the elementwise probe, state specs, and
-one optimizer per label (its checkpoint form: :mod:`fsdp_global`).
+one optimizer per label (its checkpoint form: :mod:`fsdp.shards`).
 
 Any elementwise optax optimizer runs on the ``{unit: shard}`` dict as it is. With
 labels (``jaxsync.fully_shard(labels=...)``: weight decay on matrices only, a
 different learning rate for embeddings...) every unit's shard holds one piece per
-label (see :mod:`fsdp_unit`), and :func:`multi_transform` runs each label's
+label (see :mod:`fsdp.unit`), and :func:`multi_transform` runs each label's
 optimizer on its pieces only: ``optax.multi_transform`` for flat shards, with
 each element's state held once.
 """

@@ -2,7 +2,7 @@
 the optimizer state's per-param form for checkpoints (independent of the DP size).
 
 A unit's global shard array is rank-major (``[(layers,) n * shard]``, see
-:mod:`fsdp_unit`), so placing params is flattening them, and reading them back
+:mod:`fsdp.unit`), so placing params is flattening them, and reading them back
 is unflattening: no per-rank slicing.
 """
 

@@ -1,4 +1,9 @@
-"""TODO(schedule_read): split from schedule."""
+"""Reading XLA's latency-hiding schedule dump into a :class:`~jaxsync.ScheduleReport`.
+
+Loop bodies are priced once per iteration (nested trip counts multiplied), a
+``conditional`` at its dearest branch, and computations the scheduler skipped at
+the roofline of the target GPU (:mod:`roofline`).
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,8 @@
-"""TODO(timings): split from schedule."""
+"""What a schedule report holds: the step's modeled figures, per computation and collective.
+
+Frozen records only: :mod:`read` fills them from XLA's dump, and :mod:`schedule`
+compiles the program that writes it.
+"""
 
 from __future__ import annotations
 

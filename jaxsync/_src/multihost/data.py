@@ -11,7 +11,6 @@ from jax.sharding import PartitionSpec as P
 
 from ..core.axes import AxisName, mesh_axes_size, normalize_axes
 from ..core.specs import entry_axes, full_spec
-from ..step.checks import batch_rows
 from .consistency import check_agree
 
 PyTree = Any
@@ -164,3 +163,38 @@ def _abstract_batch(batch: Any, mesh: Mesh, axes: tuple[str, ...], kept: Any) ->
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec))
 
     return jax.tree_util.tree_map_with_path(one, batch, kept)
+
+
+def batch_rows(batch: PyTree, fn: str, axis: int = 0) -> int | None:
+    """The rows every leaf of ``batch`` has on ``axis`` (None: no leaf has that axis);
+    raises naming the first leaf that disagrees."""
+    rows: dict[str, int] = {}
+    for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]:
+        shape = np.shape(x)
+        if len(shape) > axis:
+            rows[jax.tree_util.keystr(path) or "(the batch)"] = int(shape[axis])
+    if not rows:
+        return None
+    counts: dict[int, list[str]] = {}
+    for name, r in rows.items():
+        counts.setdefault(r, []).append(name)
+    if len(counts) > 1:
+        common = max(counts, key=lambda r: len(counts[r]))
+        leaf, r = next((k, v) for k, v in rows.items() if v != common)
+        others = "; ".join(
+            f"{', '.join(names[:3])}{' ...' if len(names) > 3 else ''} "
+            f"{'has' if len(names) == 1 else 'have'} {c}"
+            for c, names in counts.items()
+            if c != r
+        )
+        raise ValueError(ROWS_DIFFER.format(fn=fn, axis=axis, leaf=leaf, rows=r, others=others))
+    return next(iter(counts))
+
+
+ROWS_DIFFER = (
+    "{fn}: the leaves of the batch disagree on their number of rows (axis {axis}): "
+    "{leaf} has {rows}, while {others}. Every leaf with a batch axis is split over the "
+    "data-parallel devices row by row, so they must all have the same rows; mismatched "
+    "leaves would be split differently and broadcast against each other. Give every "
+    "leaf the same batch size (or move per-batch constants out of the batch)."
+)

@@ -1,4 +1,8 @@
-"""TODO(optimizer_checks): split from checks."""
+"""Checks of what the distributed optimizer is given: its arguments, grads and state.
+
+A state from another optimizer or layout, or gradients already reduced, would train
+silently wrong; these raise at trace time instead, naming the param or the buffer.
+"""
 
 from __future__ import annotations
 
@@ -16,7 +20,8 @@ from ..sync.checks import (
     check_params_replicated,
     check_rules,
 )
-from .state import DistributedOptimizerState, ShardedGrads
+from ..sync.scan_sync import ShardedGrads
+from .state import DistributedOptimizerState
 
 PyTree = Any
 

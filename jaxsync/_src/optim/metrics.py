@@ -1,4 +1,8 @@
-"""TODO(metrics): split from checks."""
+"""Skipped-step metrics as data, and the report that reads them back on the host.
+
+:func:`next_metrics` runs inside the step with no host sync; :func:`nonfinite_report`
+is the one function here that reads values: the metrics the step recorded.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +14,8 @@ import numpy as np
 
 from ..core.axes import to_varying
 from ..core.names import param_name
-from .state import ShardedGrads, StepMetrics
+from ..sync.scan_sync import ShardedGrads
+from .state import StepMetrics
 
 PyTree = Any
 

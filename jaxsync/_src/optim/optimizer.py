@@ -28,12 +28,13 @@ from ..layout.ownership import WholeMatrices
 from ..layout.placement import check_bucket_size, normalize_stacked
 from ..sync.collectives import bucket_reduce_scatter, gather_params
 from ..sync.finalize import SyncRules
+from ..sync.scan_sync import ShardedGrads
 from .checks import check_optimizer_args, check_update
 from .loss_scale import LossScale, check_loss_scale, update_loss_scale
 from .metrics import next_metrics
 from .plan import Labels, Plan
 from .portable import convert, from_portable, portable_fn, signature
-from .state import DistributedOptimizerState, ShardedGrads
+from .state import DistributedOptimizerState
 
 PyTree = Any
 

@@ -55,24 +55,6 @@ def initial_metrics(num_params: int) -> StepMetrics:
     )
 
 
-class ShardedGrads(NamedTuple):
-    """Gradients already reduced over the data axes, as this rank's shards.
-
-    What :func:`jaxsync.value_and_grad` returns with ``sync=tx`` for a
-    distributed optimizer: one array per buffer of ``tx``'s layout (``[shard]``,
-    or ``[layers, shard]`` for a stacked buffer), averaged over ranks and
-    microbatches, in the optimizer's reduce dtype. Stacked buffers were
-    reduce-scattered inside the backward scan, layer by layer. ``tx.update``
-    takes them as they are, without another reduction.
-
-    Attributes:
-      shards: the reduced shards, one per buffer.
-      nonfinite: per param (tree-leaf order), 1 where this device's *local*
-        gradient held NaN/Inf before the reduction (for the skipped-step report).
-    """
-
-    shards: tuple[jax.Array, ...]
-    nonfinite: jax.Array | None = None
 
 
 class DistributedOptimizerState(NamedTuple):

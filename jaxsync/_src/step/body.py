@@ -18,10 +18,10 @@ from ..deterministic.exact import nonfinite_flags
 from ..fsdp.grad import split_microbatches
 from ..sync.grad_sync import accumulate_grads, all_reduce_grads, value_and_grad
 from ..sync.scan_sync import DataParallel
-from ..two_d.body import spec_body
 from .modes import deterministic_of
 from .parts import Plan, finish, loss_of, mean_loss, settle, unscale
 from .train_state import TrainState, global_stats, padding_of
+from .two_d.body import spec_body
 
 
 def per_device(cfg: Any, plan: Plan, state: TrainState, batch: Any) -> tuple[TrainState, Any]:

@@ -13,10 +13,8 @@ import dataclasses
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from ..core.axes import varying_axes
 from ..core.names import param_name
 from ..core.specs import entry_axes
 from ..multihost.consistency import check_agree, describe_value, param_values, structure
@@ -25,63 +23,14 @@ from .modes import deterministic_of
 
 PyTree = Any
 
-ROWS_DIFFER = (
-    "{fn}: the leaves of the batch disagree on their number of rows (axis {axis}): "
-    "{leaf} has {rows}, while {others}. Every leaf with a batch axis is split over the "
-    "data-parallel devices row by row, so they must all have the same rows; mismatched "
-    "leaves would be split differently and broadcast against each other. Give every "
-    "leaf the same batch size (or move per-batch constants out of the batch)."
-)
 STATE_DELETED = (
     "{fn}: the state's arrays were deleted (e.g. {leaf}): this state was donated to an "
     "earlier call of the step, which reused its buffers. Use the state the step returned: "
     "`state, loss = step(state, batch)`; to keep the old one, pass `donate=False` to "
     "`jaxsync.train_step` or copy it first (`jax.tree.map(jnp.copy, state)`)."
 )
-INTEGER_LOSS = (
-    "`loss_fn` returned a loss of dtype {dtype}: gradients of an integer loss are zero "
-    "(float0), so nothing would train. Compute the loss in floating point (e.g. "
-    "`jnp.mean(x.astype(jnp.float32))`)."
-)
-INTEGER_PARAM = (
-    "{fn}: param {param} has dtype {dtype} and shape {shape}; only floating-point params "
-    "can be trained and synced in mode={mode!r} (an integer param would be trained as a "
-    "float and truncated). Keep integer state (counters, rng keys, masks) outside the "
-    "params: as a constant of the loss function, in the batch, or (flax NNX) in a "
-    "variable that is not an `nnx.Param`, which the step keeps in `state.model_state`."
-)
-LOSS_ALREADY_REDUCED = (
-    "{fn}: the loss returned by `loss_fn` is already reduced over {axes} (typed invariant "
-    "over them: a `jax.lax.pmean`/`psum` inside the loss function), in mode={mode!r}. Its "
-    "gradients would then be divided by the number of devices once in the loss and again "
-    "by the sync. Return this device's own mean loss; the step averages it for you."
-)
 
 
-def batch_rows(batch: PyTree, fn: str, axis: int = 0) -> int | None:
-    """The rows every leaf of ``batch`` has on ``axis`` (None: no leaf has that axis);
-    raises naming the first leaf that disagrees."""
-    rows: dict[str, int] = {}
-    for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]:
-        shape = np.shape(x)
-        if len(shape) > axis:
-            rows[jax.tree_util.keystr(path) or "(the batch)"] = int(shape[axis])
-    if not rows:
-        return None
-    counts: dict[int, list[str]] = {}
-    for name, r in rows.items():
-        counts.setdefault(r, []).append(name)
-    if len(counts) > 1:
-        common = max(counts, key=lambda r: len(counts[r]))
-        leaf, r = next((k, v) for k, v in rows.items() if v != common)
-        others = "; ".join(
-            f"{', '.join(names[:3])}{' ...' if len(names) > 3 else ''} "
-            f"{'has' if len(names) == 1 else 'have'} {c}"
-            for c, names in counts.items()
-            if c != r
-        )
-        raise ValueError(ROWS_DIFFER.format(fn=fn, axis=axis, leaf=leaf, rows=r, others=others))
-    return next(iter(counts))
 
 
 def check_state_alive(state: PyTree, fn: str) -> None:
@@ -230,25 +179,8 @@ def check_param_shardings(params: PyTree, cfg: Any, fn: str) -> None:
             )
 
 
-def check_float_params(params: PyTree, mode: str, fn: str) -> None:
-    """Integer params cannot be trained in any mode."""
-    for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
-        dtype = getattr(x, "dtype", None)
-        if dtype is not None and not jnp.issubdtype(dtype, jnp.inexact):
-            raise TypeError(
-                INTEGER_PARAM.format(
-                    fn=fn, param=param_name(path), dtype=dtype, shape=tuple(np.shape(x)), mode=mode
-                )
-            )
 
 
-def check_loss(out: Any, axes: tuple[str, ...], mode: str, fn: str) -> None:
-    """The per-device loss: floating, and not reduced over the data axes yet."""
-    if hasattr(out, "dtype") and not jnp.issubdtype(out.dtype, jnp.inexact):
-        raise TypeError(INTEGER_LOSS.format(dtype=out.dtype))
-    reduced = [a for a in axes if a not in varying_axes(out)]
-    if reduced:
-        raise TypeError(LOSS_ALREADY_REDUCED.format(fn=fn, axes=reduced, mode=mode))
 
 
 DETERMINISTIC_MODEL_STATE = (

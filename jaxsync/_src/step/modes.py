@@ -119,9 +119,7 @@ class FSDP:
                 )
             object.__setattr__(self, "units", tuple(self.units))
         if self.policy is not None and not isinstance(self.policy, MixedPrecision):
-            raise TypeError(
-                f"`FSDP.policy` must be a jaxsync.MixedPrecision, got {self.policy!r}."
-            )
+            raise TypeError(f"`FSDP.policy` must be a jaxsync.MixedPrecision, got {self.policy!r}.")
         check_bool(self.reshard_after_forward, "FSDP.reshard_after_forward")
 
 

@@ -1,4 +1,9 @@
-"""TODO(step_parts): split from step_body."""
+"""What every mode's step body shares: the plan ``init`` fixed, the loss, the finish.
+
+Kept apart from the bodies themselves (:mod:`body` for 1-D meshes,
+:mod:`jaxsync._src.step.two_d.body` for 2-D ones), so that both build on it and neither
+on the other.
+"""
 
 from __future__ import annotations
 
@@ -10,8 +15,8 @@ import jax
 import jax.numpy as jnp
 
 from ..core.axes import varying_axes
+from ..core.validate import check_loss
 from ..sync.views import is_view, trace_views
-from .checks import check_loss
 from .modes import deterministic_of
 from .nnx_bridge import ModelDef
 from .train_state import GuardState, TrainState, guarded_update
@@ -29,7 +34,7 @@ class Plan:
     fs: Any
     specs: TrainState
     fn: Callable[..., Any]
-    dims: Any = None  # a spec_step.SpecLayout when params are sharded over other axes
+    dims: Any = None  # a two_d.plan.SpecLayout when params are sharded over other axes
 
 
 def loss_of(cfg: Any, plan: Plan, state: TrainState) -> Callable[[Any, Any], Any]:

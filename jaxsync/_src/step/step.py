@@ -31,17 +31,16 @@ from jax.sharding import PartitionSpec as P
 
 from ..core.names import group_of, param_name
 from ..core.specs import full_spec
+from ..core.validate import check_float_params
 from ..fsdp.fully_shard import fully_shard
 from ..multihost.data import place_batch
 from ..optim.loss_scale import LossScale, init_loss_scale
 from ..optim.optimizer import distributed_optimizer
 from ..optim.portable import signature
 from ..optim.state import initial_metrics
-from ..two_d.plan import make_state, project, spec_layout, spec_master, spec_params
 from .body import per_device
 from .checks import (
     check_deterministic_state,
-    check_float_params,
     check_param_shardings,
     check_processes_at_init,
     check_processes_first_step,
@@ -52,6 +51,7 @@ from .modes import DDP, Mode, ZeRO, deterministic_of
 from .nnx_bridge import is_graphdef, is_module, merge_split, split_model
 from .parts import Plan
 from .train_state import GuardState, TrainState
+from .two_d.plan import make_state, project, spec_layout, spec_master, spec_params
 from .xla_options import step_compiler_options
 
 PyTree = Any
@@ -94,7 +94,7 @@ class TrainStep:
         check_processes_at_init(self, params, rest)
         # Copies: the step donates the state, which must never delete the caller's
         # arrays (or the module's, for an nnx.Module). Params the compiler shards
-        # over other axes keep their sharding (copied by spec_step.make_state).
+        # over other axes keep their sharding (copied by two_d.plan.make_state).
         layout = spec_layout(self, params)
         if layout is not None:
             rest = _replicated_copy(rest, self.mesh)
@@ -156,7 +156,7 @@ class TrainStep:
         self, model: Any, params: PyTree, rest: PyTree, layout: Any = None
     ) -> tuple[TrainState, Plan]:
         """The state and its plan from replicated ``params`` (traceable: no host reads);
-        with ``layout`` (params sharded over other axes) the 2-D state of :mod:`spec_step`."""
+        with ``layout`` (params sharded over other axes) the 2-D state of :mod:`two_d.plan`."""
         if layout is not None:
             state, specs, tx, dims = make_state(self, params, rest, layout)
             return state, Plan(model, _template(params), tx, None, specs, None, dims)  # type: ignore[arg-type]

@@ -1,4 +1,9 @@
-"""TODO(grad_checks): split from checks."""
+"""Checks of the gradients handed to a sync: local, matching the rules, from a local loss.
+
+Everything here runs at trace time, from types, shapes and the layout. Each check
+names the argument or the param at fault, shows what was received against what was
+expected, and says what to do.
+"""
 
 from __future__ import annotations
 
@@ -35,13 +40,6 @@ PARAMS_SHARDED_OVER_DP = (
     "rank to hold the same, whole param. Pass it into shard_map with a PartitionSpec "
     "that does not name {axes} (e.g. `P()`, or `P(None, 'tensor')` for a "
     "tensor-parallel weight), or mark an expert axis with `jaxsync.ExpertParallel`."
-)
-LOSS_REDUCED = (
-    "jaxsync.value_and_grad: the loss returned by `fun` is already reduced over {axes} "
-    "(typed invariant over them: a `jax.lax.pmean`/`psum` inside the loss function). "
-    "Its gradients are then divided by the number of ranks once in the loss and again "
-    "by the sync, which averages the local gradients. Return this device's local "
-    "loss from `fun` and `jax.lax.pmean(loss, {axis_name!r})` it outside, for logging."
 )
 NOT_SYNC_RULES = (
     "`rules` must be a jaxsync.SyncRules or None, got a {kind}. Build it with "
@@ -123,12 +121,6 @@ def check_params_replicated(params: PyTree, layout: Layout, fn: str) -> None:
             raise TypeError(PARAMS_SHARDED_OVER_DP.format(fn=fn, param=slot.path, axes=over))
 
 
-def check_local_loss(out: Any, axes: tuple[str, ...], has_aux: bool, axis_name: Any) -> None:
-    """The loss :func:`jaxsync.value_and_grad` returns must vary over the data axes."""
-    loss = out[0] if has_aux else out
-    reduced = [a for a in axes if a not in varying_axes(loss)]
-    if reduced:
-        raise TypeError(LOSS_REDUCED.format(axes=reduced, axis_name=axis_name))
 
 
 # ----------------------------------------------------------- argument checks

@@ -20,21 +20,16 @@ import optax
 
 from ..core.axes import AxisName, axes_size, bound_axes, normalize_axes, rank, to_varying
 from ..core.validate import check_bool, check_float_dtype
-from ..deterministic.exact import UNIT_GRADS_WITHOUT_MODE, all_reduce_unit_grads
+from ..deterministic.strategy import ExactSums
 from ..deterministic.units import (
     Deterministic,
     UnitGrads,
-    check_det_args,
-    check_deterministic,
-    deterministic_value_and_grad,
-    unit_value_and_grad,
 )
-from ..layout.layout import BufferKey, Layout
-from ..layout.placement import build_layout, check_bucket_size
-from .checks import check_local_grads, check_local_loss, check_rules
+from ..layout.placement import check_bucket_size
+from .checks import check_rules
 from .collectives import bucket_all_reduce
-from .finalize import SyncRules, local_view, sync_keys
-from .scan_sync import sync_rules, sync_value_and_grad
+from .finalize import SyncRules
+from .reduction import BUCKETED, reduction_of, sync_layout
 
 PyTree = Any
 
@@ -78,50 +73,7 @@ def value_and_grad(
     """
     check_rules(rules)
     normalize_axes(axis_name)
-    det = check_deterministic(deterministic)
-    if det is not None:
-        return deterministic_value_and_grad(fun, axis_name, argnums, has_aux, rules, sync, det)
-    if sync is not None:
-        return _synced(fun, sync, argnums, has_aux, rules)
-    vg = jax.value_and_grad(fun, argnums=argnums, has_aux=has_aux)
-    nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
-
-    def wrapped(*args: Any, **kwargs: Any) -> Any:
-        axes = bound_axes(axis_name, "jaxsync.value_and_grad")
-        args = list(args)
-        for i in nums:
-            args[i] = local_view(args[i], axes, rules)
-        out, grads = vg(*args, **kwargs)
-        check_local_loss(out, axes, has_aux, axis_name)
-        return out, grads
-
-    return wrapped
-
-
-def _synced(
-    fun: Callable[..., Any], sync: Any, argnums: Any, has_aux: bool, rules: Any
-) -> Callable[..., Any]:
-    if not isinstance(argnums, int):
-        raise ValueError(
-            f"with `sync`, `argnums` must be a single int (the params argument), got {argnums!r}."
-        )
-    if rules is not None:
-        raise ValueError(
-            "with `sync`, pass `rules` to the sync (jaxsync.DataParallel(rules=...) or "
-            "distributed_optimizer(rules=...)), not to value_and_grad: one place decides them."
-        )
-
-    def wrapped(*args: Any) -> Any:
-        args = list(args)
-        params = args[argnums]
-
-        def call(p: PyTree, *rest: Any) -> Any:
-            return fun(*rest[:argnums], p, *rest[argnums:])
-
-        others = args[:argnums] + args[argnums + 1 :]
-        return sync_value_and_grad(call, sync, params, others, has_aux=has_aux)
-
-    return wrapped
+    return reduction_of(deterministic).value_and_grad(fun, axis_name, argnums, has_aux, rules, sync)
 
 
 def accumulate_grads(
@@ -179,88 +131,10 @@ def accumulate_grads(
         )
     (n,) = counts
     axes = bound_axes(axis_name, "jaxsync.accumulate_grads")
-    det = check_deterministic(deterministic)
-    if det is not None:
-        fn = "jaxsync.accumulate_grads"
-        check_det_args(0, rules, sync, fn)
-        return unit_value_and_grad(fun, params, microbatches, det, axes, has_aux=has_aux, fn=fn)
-    if sync is not None:
-        return _accumulate_synced(fun, params, microbatches, n, axes, has_aux, sync)
-    vg = value_and_grad(fun, axis_name=axes, has_aux=has_aux, rules=rules)
-
-    def body(acc: PyTree, mb: PyTree) -> tuple[PyTree, Any]:
-        out, g = vg(params, mb)
-        acc = jax.tree.map(lambda a, x: a + x.astype(accum_dtype), acc, g)
-        return acc, out
-
-    # The first microbatch seeds the carry, so it has the gradients' exact type
-    # (device-varying over whichever axes they are).
-    out0, g0 = vg(params, jax.tree.map(lambda m: m[0], microbatches))
-    total = jax.tree.map(lambda g: g.astype(accum_dtype), g0)
-    rest = jax.tree.map(lambda m: m[1:], microbatches)
-    total, outs = jax.lax.scan(body, total, rest)
-    outs = jax.tree.map(lambda a, b: jnp.concatenate([a[None], b]), out0, outs)
-    grads = jax.tree.map(lambda g: g / n, total)
-    if has_aux:
-        losses, aux = outs
-        return (jnp.mean(losses), jax.tree.map(lambda a: a[-1], aux)), grads
-    return jnp.mean(outs), grads
-
-
-def _accumulate_synced(
-    fun: Callable[..., Any],
-    params: PyTree,
-    microbatches: PyTree,
-    n: int,
-    axes: tuple[str, ...],
-    has_aux: bool,
-    sync: Any,
-) -> tuple[Any, Any]:
-    last = jax.tree.map(lambda m: m[-1], microbatches)
-    acc = None
-    if n > 1:
-        rules = sync_rules(sync)
-        head = jax.tree.map(lambda m: m[:-1], microbatches)
-        out0, acc = accumulate_grads(
-            fun, params, head, axis_name=axes, has_aux=has_aux, rules=rules
-        )
-        acc = jax.tree.map(lambda g: g * (n - 1), acc)  # the sum, not the mean
-    out, grads = sync_value_and_grad(
-        fun,
-        sync,
-        params,
-        (last,),
-        has_aux=has_aux,
-        acc=acc,
-        microbatches=n,
-        fn="jaxsync.accumulate_grads",
+    del n  # checked: one microbatch count
+    return reduction_of(deterministic).accumulate(
+        fun, params, microbatches, axes, has_aux, accum_dtype, rules, sync
     )
-    if n == 1:
-        return out, grads
-    if has_aux:
-        (loss0, _), (loss, aux) = out0, out
-        return ((loss0 * (n - 1) + loss) / n, aux), grads
-    return (out0 * (n - 1) + out) / n, grads
-
-
-def _sync_layout(
-    grads: PyTree,
-    axes: tuple[str, ...],
-    bucket_size: int | None,
-    rules: SyncRules | None = None,
-) -> Layout:
-    shape = dict(jax.sharding.get_abstract_mesh().shape)
-    syncs = sync_keys(rules, grads, axes, shape)
-    by_path = {
-        jax.tree_util.keystr(p): s
-        for (p, _), s in zip(jax.tree_util.tree_flatten_with_path(grads)[0], syncs, strict=True)
-    }
-
-    def key_fn(path: str, leaf: Any) -> BufferKey:
-        s = by_path[path]
-        return BufferKey(jnp.dtype(leaf.dtype).name, s.dp_axes, None, s.sum_axes, s.mean_axes)
-
-    return build_layout(grads, num_shards=1, bucket_size=bucket_size, key_fn=key_fn)
 
 
 def all_reduce_grads(
@@ -293,34 +167,15 @@ def all_reduce_grads(
     Returns:
       The reduced gradients, each in its original dtype, typed replicated.
     """
-    det = check_deterministic(deterministic)
-    if det is not None or isinstance(grads, UnitGrads):
-        return all_reduce_unit_grads(
-            grads, axis_name, bucket_size, average, rules, det, "jaxsync.all_reduce_grads"
-        )
-    check_rules(rules)
-    check_float_dtype(reduce_dtype, "reduce_dtype", allow_none=True)
-    check_bool(average, "average")
-    return _all_reduce(
-        grads, axis_name, bucket_size, reduce_dtype, average, rules, "jaxsync.all_reduce_grads"
-    )
-
-
-def _all_reduce(
-    grads: PyTree,
-    axis_name: AxisName,
-    bucket_size: int | None,
-    reduce_dtype: Any,
-    average: bool,
-    rules: SyncRules | None,
-    fn: str,
-) -> PyTree:
-    axes = bound_axes(axis_name, fn)
-    layout = _sync_layout(grads, axes, bucket_size, rules)
-    check_local_grads(grads, layout, fn, axis_name=axis_name, rules=rules)
-    return bucket_all_reduce(
-        grads, layout, axis_name=axes, reduce_dtype=reduce_dtype, average=average
-    )
+    fn = "jaxsync.all_reduce_grads"
+    strategy = reduction_of(deterministic)
+    if strategy is BUCKETED and isinstance(grads, UnitGrads):
+        strategy = ExactSums(None)  # UnitGrads carry their units: summed exactly even so
+    if strategy is BUCKETED:
+        check_rules(rules)
+        check_float_dtype(reduce_dtype, "reduce_dtype", allow_none=True)
+        check_bool(average, "average")
+    return strategy.all_reduce(grads, axis_name, bucket_size, reduce_dtype, average, rules, fn)
 
 
 def nonfinite_grads(grads: PyTree, *, axis_name: AxisName | None = None) -> PyTree:
@@ -380,7 +235,7 @@ def broadcast_params(
             f"jaxsync.broadcast_params: `src` must be a rank in [0, {n}) of axes {axes} "
             f"(size {n}), got {src!r}."
         )
-    layout = _sync_layout(params, axes, bucket_size)
+    layout = sync_layout(params, axes, bucket_size)
     mine = to_varying(params, axes)
     keep = rank(axes) == src
     masked = jax.tree.map(lambda p: jnp.where(keep, p, jnp.zeros_like(p)), mine)
@@ -418,7 +273,7 @@ def sync_grads(
     check_rules(rules)
     check_float_dtype(reduce_dtype, "reduce_dtype", allow_none=True)
     check_bool(average, "average")
-    det = check_deterministic(deterministic)
+    strategy = reduction_of(deterministic)
 
     def init_fn(params: PyTree) -> SyncGradsState:
         del params
@@ -428,12 +283,7 @@ def sync_grads(
         grads: PyTree, state: SyncGradsState, params: PyTree | None = None
     ) -> tuple[PyTree, SyncGradsState]:
         del params
-        fn = "jaxsync.sync_grads"
-        if det is not None:
-            return all_reduce_unit_grads(grads, axes, bucket_size, average, rules, det, fn), state
-        if isinstance(grads, UnitGrads):
-            raise TypeError(UNIT_GRADS_WITHOUT_MODE.format(fn=fn, units=grads.units))
-        reduced = _all_reduce(
+        reduced = strategy.all_reduce(
             grads, axes, bucket_size, reduce_dtype, average, rules, "jaxsync.sync_grads"
         )
         return reduced, state

@@ -1,4 +1,10 @@
-"""TODO(layer_tap): split from scan_sync."""
+"""The 1-D data-parallel tap: a layer's gradient reduced inside the backward scan.
+
+:class:`LayerStack` is the view a stacked group becomes under
+``value_and_grad(sync=...)``; its tap is a custom VJP whose backward packs the
+layer's gradient into its buckets and reduce-scatters (or all-reduces) them in the
+iteration that computes it, so the collectives overlap the rest of the backward.
+"""
 
 from __future__ import annotations
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -28,7 +28,6 @@ from ..core.axes import AxisName, bound_axes, normalize_axes, to_varying
 from ..core.names import in_group, param_name
 from ..layout.layout import BufferKey, Layout
 from ..layout.placement import build_layout, check_bucket_size, normalize_stacked
-from ..optim.state import ShardedGrads
 from .collectives import buffer_axes, mean_factor, reduce_bucket, reduce_scatter_packed, scale_by
 from .finalize import SyncRules, local_view, sync_keys
 from .layer_tap import LayerStack, TapSpec
@@ -280,3 +279,23 @@ def sync_value_and_grad(
     order = tuple(range(len(layout.buffers)))
     reduced = layout.unpack_leaves([per_buffer[bi] for bi in order], order)
     return out, jax.tree.unflatten(treedef, [reduced[i] for i in range(len(leaves))])
+
+
+class ShardedGrads(NamedTuple):
+    """Gradients already reduced over the data axes, as this rank's shards.
+
+    What :func:`jaxsync.value_and_grad` returns with ``sync=tx`` for a
+    distributed optimizer: one array per buffer of ``tx``'s layout (``[shard]``,
+    or ``[layers, shard]`` for a stacked buffer), averaged over ranks and
+    microbatches, in the optimizer's reduce dtype. Stacked buffers were
+    reduce-scattered inside the backward scan, layer by layer. ``tx.update``
+    takes them as they are, without another reduction.
+
+    Attributes:
+      shards: the reduced shards, one per buffer.
+      nonfinite: per param (tree-leaf order), 1 where this device's *local*
+        gradient held NaN/Inf before the reduction (for the skipped-step report).
+    """
+
+    shards: tuple[jax.Array, ...]
+    nonfinite: jax.Array | None = None

@@ -165,7 +165,7 @@ def check_taps(jaxpr: Any, groups: Sequence[str], axes: Sequence[str], accumulat
             raise ValueError(TWICE.format(group=g, count=use.count))
 
 
-FSDP_GATHER = "gather_shard"  # fsdp_gather.gather_shard's custom_vjp
+FSDP_GATHER = "gather_shard"  # fsdp.gather.gather_shard's custom_vjp
 
 GATHER_UNDER_COND = (
     "FSDP gathers a unit inside a `lax.cond`/`lax.switch` branch whose predicate differs "

@@ -1,4 +1,11 @@
-"""TODO(views): split from scan_sync."""
+"""jaxsync's views of stacked-layer groups, as the model code meets them.
+
+Under in-loop sync a stacked group reaches the loss as a view (a 1-D step's
+:class:`~jaxsync.LayerStack`, FSDP's sharded layers, a 2-D step's ``DimStack``),
+never as its params: :func:`tap` turns a layer's slice of it into the params. Kept
+apart from the taps themselves, so that the rules that read taps from a jaxpr
+(:mod:`tap_rules`) and the views share their messages without importing each other.
+"""
 
 from __future__ import annotations
 

@@ -1,9 +1,9 @@
-"""2-D train states (:mod:`spec_step`) in the portable form of a 1-D mesh.
+"""2-D train states (:mod:`two_d.plan`) in the portable form of a 1-D mesh.
 
 A step on ``("data", "model")`` holds each param whole (ddp, zero) or as fp32
 shards padded along one dim (zero's master, fsdp's params) and its optax state
 on those. A whole-state checkpoint of it is written in *exactly* the tree a
-1-D step of the same mode writes (:mod:`train_state_checkpoint`), so a run
+1-D step of the same mode writes (:mod:`checkpoint.train_state`), so a run
 saved on ``data=8`` resumes on ``(data=4, model=2)`` and back, and on another
 model-axis size:
 
@@ -32,13 +32,13 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ..core.names import group_of, param_name
-from ..fsdp.optimizer import LabelsState
-from ..fsdp.unit import assign_units
-from ..optim.optimizer import distributed_optimizer
-from ..optim.portable import buffer_name, convert, slot_names
-from ..optim.state import StepMetrics
-from ..step.train_state import GuardState
+from ...core.names import group_of, param_name
+from ...fsdp.optimizer import LabelsState
+from ...fsdp.unit import assign_units
+from ...optim.optimizer import distributed_optimizer
+from ...optim.portable import buffer_name, convert, slot_names
+from ...optim.state import StepMetrics
+from ..train_state import GuardState
 from .dims import DimPlan, pad, unpad
 from .plan import SpecLayout, SpecZeroState, specs_by_param
 
@@ -337,7 +337,7 @@ def to_portable(ts: Any, plan: Any, state: Any, fn: str) -> tuple[PyTree, PyTree
     build = _portable_fn(ts, layout, fn)
     args = (state.params, state.opt_state, state.guard)
     out = _shardings(jax.eval_shape(build, *args), layout, ts.mesh)
-    return convert(build, args, ts.mesh, out, key=("spec_portable.to", ts, layout))
+    return convert(build, args, ts.mesh, out, key=("two_d.portable.to", ts, layout))
 
 
 def portable_like(ts: Any, plan: Any, like: Any, fn: str) -> tuple[PyTree, PyTree, PyTree]:
@@ -394,4 +394,4 @@ def from_portable(
 
     args = (portable["params"], portable["opt_state"], portable["guard"])
     out = jax.tree.map(lambda x: x.sharding, (like.params, like.opt_state, like.guard))
-    return convert(build, args, ts.mesh, out, key=("spec_portable.from", ts, layout))
+    return convert(build, args, ts.mesh, out, key=("two_d.portable.from", ts, layout))

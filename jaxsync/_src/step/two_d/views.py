@@ -18,9 +18,9 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from ..core.axes import to_varying, varying_axes
-from ..fsdp.fully_shard import GATHERED
-from ..sync.tap_rules import TAP_NAME
+from ...core.axes import to_varying, varying_axes
+from ...fsdp.fully_shard import GATHERED
+from ...sync.tap_rules import TAP_NAME
 from .dims import DimPlan, DimSync, gather, reduce
 
 PyTree = Any
@@ -63,7 +63,7 @@ def _reduce_tap(group: str) -> Callable[..., Any]:
         return params, acc
 
     def bwd(spec: tuple, acc: list | None, ct: list) -> tuple[None, list, None]:
-        # The sinks' types match what the reduction returns (spec_body._sink).
+        # The sinks' types match what the reduction returns (two_d.body._sink).
         sync, plans = spec
         if acc is not None:
             ct = [g.astype(jnp.float32) + a for g, a in zip(ct, acc, strict=True)]

@@ -14,7 +14,7 @@ optimizer over them, param by param along a free dimension (:mod:`dims`):
   its gradient reduce-scattered in the backward.
 
 Stacked groups are reduced (and, for FSDP, gathered) inside the backward scan
-by :func:`jaxsync.tap`, as on a 1-D mesh (the step itself: :mod:`spec_body`).
+by :func:`jaxsync.tap`, as on a 1-D mesh (the step itself: :mod:`two_d.body`).
 This module holds the plans, the state and its specs.
 """
 
@@ -30,13 +30,13 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ..core.axes import mesh_axes_size
-from ..core.names import group_of, param_name
-from ..core.specs import entry_axes, full_spec, keep_axes
-from ..optim.loss_scale import init_loss_scale
-from ..optim.state import initial_metrics
-from ..step.checks import labeled_tx
-from ..step.train_state import GuardState, TrainState
+from ...core.axes import mesh_axes_size
+from ...core.names import group_of, param_name
+from ...core.specs import entry_axes, full_spec, keep_axes
+from ...optim.loss_scale import init_loss_scale
+from ...optim.state import initial_metrics
+from ..checks import labeled_tx
+from ..train_state import GuardState, TrainState
 from .dims import DimPlan, pad, plan_param, unpad
 
 PyTree = Any

@@ -1,7 +1,7 @@
 """One :func:`jaxsync.train_step` step when the compiler shards the model too.
 
 Runs on one data rank's rows inside the step's ``shard_map`` (manual over the
-data axes; :mod:`spec_step` holds the plans and the state). The model sees its
+data axes; :mod:`two_d.plan` holds the plans and the state). The model sees its
 free params as they are (FSDP: gathered where used) and each stacked group as a
 :class:`DimStack`, whose taps reduce each layer's gradient in the backward scan.
 
@@ -21,13 +21,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ..core.axes import to_varying, varying_axes
-from ..core.names import group_of
-from ..fsdp.grad import split_microbatches
-from ..step.parts import finish, loss_of, unscale
-from ..step.train_state import TrainState, global_stats
-from ..sync.grad_sync import accumulate_grads
-from ..sync.tap_rules import check_taps
+from ...core.axes import to_varying, varying_axes
+from ...core.names import group_of
+from ...fsdp.grad import split_microbatches
+from ...sync.grad_sync import accumulate_grads
+from ...sync.tap_rules import check_taps
+from ..parts import finish, loss_of, unscale
+from ..train_state import TrainState, global_stats
 from .dims import DimPlan, DimSync, gather, reduce
 from .plan import SpecLayout, SpecZeroState
 from .views import DimStack, DimTapSpec, defers, gather_params

@@ -38,8 +38,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from ..core.axes import to_varying
-from ..core.specs import full_spec, spec_axes
+from ...core.axes import to_varying
+from ...core.specs import full_spec, spec_axes
 
 PyTree = Any
 
