@@ -217,8 +217,16 @@ FP32 = dict(rtol=2e-5, atol=2e-6)
 #: off (its fp32 master differs in the last bit, as the 8-way sum rounds in
 #: another order) changes the next gradient, and Newton-Schulz turns small
 #: gradient changes into larger changes of the update direction (measured: up to
-#: 1.2e-3 = 0.06 lr), so its bound is a tenth of one step (lr = 0.02).
-BF16_ATOL = {"muon": 0.1 * 0.02, "adafactor": 2e-6}
+#: 1.2e-3 = 0.06 lr on one machine, 4.8e-3 = 0.24 lr on an AMD EPYC one, whose CPU
+#: kernels round in another order), so its bound is half of one step (lr = 0.02):
+#: a dropped or doubled update is off by a whole step. The first step is checked
+#: to fp32 rounding above.
+BF16_ATOL = {"muon": 0.5 * 0.02, "adafactor": 2e-6}
+#: The first bf16 step's master: fp32 rounding, but Muon's Newton-Schulz (five fp32
+#: matmul iterations) amplifies the 8-way sum's rounding of the bf16 gradient. On an
+#: AMD EPYC machine 2 of 1536 elements of the scanned stack came out 1.5e-4 relative
+#: off (the CPU's matmul kernels round in another order), past FP32's 2e-5.
+FIRST_BF16 = {"muon": dict(rtol=3e-4, atol=2e-6), "adafactor": FP32}
 
 
 def by_name(tree):
@@ -260,7 +268,7 @@ def test_equals_single_device_optax(mesh8, opt, kind, dtype):
             _, want = reference(opt, kind, dtype, batches=one)
             want = by_name(want)
             for name, m in master_of(tx, state, params, mesh8).items():
-                np.testing.assert_allclose(m, want[name], **FP32)
+                np.testing.assert_allclose(m, want[name], **FIRST_BF16[opt])
     moved = max(
         float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
         for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(params), strict=True)

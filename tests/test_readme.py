@@ -740,3 +740,5 @@ def test_commands_and_paths_in_the_text_exist():
         for word in words:
             if "/" in word and re.fullmatch(r"[\w./-]+\.(py|yaml|md|toml)", word):
                 assert (ROOT / word).is_file(), f"README.md mentions `{word}`, which does not exist"
+            elif re.fullmatch(r"(jaxsync|tests|examples|benchmarks|configs)/[\w./-]*/", word):
+                assert (ROOT / word).is_dir(), f"README.md mentions folder `{word}`, which is gone"

@@ -28,8 +28,9 @@ from jax.sharding import PartitionSpec as P
 from ..core.axes import AxisName, bound_axes, mesh_axes_size, normalize_axes
 from ..core.names import param_name
 from ..core.validate import check_bool, check_float_params
-from ..layout.layout import BufferKey, Layout
+from ..layout.layout import Layout
 from ..layout.placement import normalize_stacked, stack_layers
+from ..layout.records import BufferKey
 from .gather import MixedPrecision, cast_floats, gather_shard, reduce_shard
 from .grad import check_microbatches as check_microbatches
 from .grad import value_and_grad as _value_and_grad

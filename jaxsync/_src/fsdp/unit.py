@@ -20,8 +20,9 @@ import jax
 import jax.numpy as jnp
 
 from ..core.names import group_of, in_group, param_name
-from ..layout.layout import BufferKey, Layout
+from ..layout.layout import Layout
 from ..layout.placement import build_layout
+from ..layout.records import BufferKey
 
 PyTree = Any
 

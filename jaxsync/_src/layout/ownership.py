@@ -24,7 +24,7 @@ from typing import Any
 
 import optax
 
-from .layout import Bucket, Buffer, BufferKey, ParamSlot
+from .records import Bucket, Buffer, BufferKey, ParamSlot
 
 PyTree = Any
 Cost = str | Callable[[tuple[int, ...]], float]

@@ -16,8 +16,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..core.names import group_of, param_name
-from .layout import Bucket, Buffer, BufferKey, Layout, ParamSlot
+from .layout import Layout
 from .ownership import place_owned
+from .records import Bucket, Buffer, BufferKey, ParamSlot
 
 PyTree = Any
 

@@ -22,9 +22,10 @@ from ..core.axes import varying_axes
 from ..core.names import param_name
 from ..core.specs import local_shape, param_specs_of, spec_axes
 from ..core.validate import check_param_leaves, check_param_specs
-from ..layout.layout import BufferKey, Layout
+from ..layout.layout import Layout
 from ..layout.ownership import WholeMatrices
 from ..layout.placement import build_layout
+from ..layout.records import BufferKey
 from ..sync.finalize import ExpertParallel, SyncRules, sync_keys
 from .checks import check_labels
 from .elementwise import check_elementwise

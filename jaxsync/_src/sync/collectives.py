@@ -14,7 +14,8 @@ import jax
 import jax.numpy as jnp
 
 from ..core.axes import AxisName, axes_size, bound_axes
-from ..layout.layout import BufferKey, Layout
+from ..layout.layout import Layout
+from ..layout.records import BufferKey
 
 PyTree = Any
 

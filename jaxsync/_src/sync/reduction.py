@@ -20,8 +20,9 @@ from ..core.validate import check_local_loss
 from ..deterministic.exact import UNIT_GRADS_WITHOUT_MODE
 from ..deterministic.strategy import ExactSums
 from ..deterministic.units import Deterministic, UnitGrads, check_deterministic
-from ..layout.layout import BufferKey, Layout
+from ..layout.layout import Layout
 from ..layout.placement import build_layout
+from ..layout.records import BufferKey
 from .checks import check_local_grads
 from .collectives import bucket_all_reduce
 from .finalize import SyncRules, local_view, sync_keys

@@ -26,8 +26,9 @@ import jax.numpy as jnp
 
 from ..core.axes import AxisName, bound_axes, normalize_axes, to_varying
 from ..core.names import in_group, param_name
-from ..layout.layout import BufferKey, Layout
+from ..layout.layout import Layout
 from ..layout.placement import build_layout, check_bucket_size, normalize_stacked
+from ..layout.records import BufferKey
 from .collectives import buffer_axes, mean_factor, reduce_bucket, reduce_scatter_packed, scale_by
 from .finalize import SyncRules, local_view, sync_keys
 from .layer_tap import LayerStack, TapSpec
