@@ -29,6 +29,7 @@ import orbax.checkpoint as ocp
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from ..multihost.watchdog import CHECKPOINT, phase  # names the phase in a hang report
 from ..optim.loss_scale import init_loss_scale
 from ..optim.optimizer import DistributedOptimizer
 from ..optim.state import DistributedOptimizerState
@@ -152,6 +153,7 @@ class Checkpointer(CheckpointIO):
     def __exit__(self, *exc_info: Any) -> None:
         self.close()
 
+    @phase(CHECKPOINT)
     def save(
         self,
         step: int,
@@ -194,6 +196,7 @@ class Checkpointer(CheckpointIO):
         }
         self._write(step, state, meta, checks)
 
+    @phase(CHECKPOINT)
     def save_state(
         self,
         train_step: Any,
@@ -216,6 +219,7 @@ class Checkpointer(CheckpointIO):
         self._check_open()
         save_state(self, train_step, state, step=step, extra=extra, meta=meta)
 
+    @phase(CHECKPOINT)
     def restore_state(
         self,
         train_step: Any,
@@ -244,6 +248,7 @@ class Checkpointer(CheckpointIO):
         step = self._complete_step(step)
         return dict(self._read_json(step, "meta", "meta (JSON)") or {})
 
+    @phase(CHECKPOINT)
     def restore(
         self,
         *,
@@ -357,10 +362,12 @@ class Checkpointer(CheckpointIO):
                 opt_state = opt_state._replace(loss_scale=fresh)
         return Restored(step, state["params"], opt_state, state["extra"], dict(meta or {}))
 
+    @phase(CHECKPOINT)
     def wait(self) -> None:
         """Blocks until a pending asynchronous save is complete on disk."""
         self._manager.wait_until_finished()
 
+    @phase(CHECKPOINT)
     def close(self) -> None:
         """Finishes a pending save and releases the manager (idempotent)."""
         if self._closed:

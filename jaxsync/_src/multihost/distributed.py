@@ -24,6 +24,7 @@ from typing import NamedTuple
 
 import jax
 
+from . import watchdog
 from .launched import report_to_launcher
 
 #: Environment variables set by ``python -m jaxsync.launch`` for each process.
@@ -69,6 +70,7 @@ def initialize(
     local_device_ids: Sequence[int] | None = None,
     cpu_collectives: str = "gloo",
     exit_on_error: bool = True,
+    hang_timeout: float | None = None,
 ) -> ProcessInfo:
     """Starts JAX's multi-process runtime when this is a multi-process run.
 
@@ -83,6 +85,12 @@ def initialize(
         uncaught exception is printed (exit code 1, 130 for Ctrl-C) instead of
         waiting in JAX's shutdown for the other processes. Checkpoint saves
         still in flight are not finished then (the last complete one stays).
+      hang_timeout: in a multi-process run, seconds after which a job that makes
+        no progress ends: every process exits with code 75, naming the
+        process(es) that did not arrive, the step and the phase (see
+        :mod:`jaxsync._src.multihost.watchdog`). Default: the environment
+        variable ``JAXSYNC_HANG_TIMEOUT``, else off; 0 is off. Set it above the
+        longest step, compilation, evaluation and checkpoint save.
 
     Returns:
       A :class:`ProcessInfo`; ``how`` says which path was taken.
@@ -127,6 +135,7 @@ def initialize(
     if exit_on_error and info.num_processes > 1:
         _exit_on_uncaught_exception()
         _exit_now_on_failure_code()
+    watchdog.start(hang_timeout, info.process_id, info.num_processes)
     launch_dir = os.environ.get(ENV_LAUNCH_DIR)
     if how == "jaxsync.launch" and launch_dir:
         report_to_launcher(launch_dir, info.process_id)

@@ -33,6 +33,7 @@ from ..core.names import group_of, param_name
 from ..core.specs import full_spec
 from ..core.validate import check_float_params
 from ..fsdp.fully_shard import fully_shard
+from ..multihost import watchdog
 from ..multihost.data import place_batch
 from ..optim.loss_scale import LossScale, init_loss_scale
 from ..optim.optimizer import distributed_optimizer
@@ -222,7 +223,7 @@ class TrainStep:
         if not self._stepped:  # once: every process takes its first step together
             check_processes_first_step(self, state, batch)
             self._stepped.append(True)
-        return plan.fn(state, placed)
+        return watchdog.run_step(plan.fn, state, placed)  # marks the step for a hang's report
 
     def lower(self, state: TrainState, batch: PyTree) -> Any:
         """The step lowered for ``state`` and ``batch`` (``.compile()``, then e.g.
