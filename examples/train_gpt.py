@@ -461,17 +461,10 @@ def train(
 
     start = 0
     if args.resume:
-        r = ckpt.restore(
-            params_like=state.params,
-            tx=tx if zero else None,
-            opt_state_like=None if zero else state.opt_state,
-            mesh=mesh,
-            allow_optimizer_change=args.allow_config_change,
-        )
-        restored = state._replace(
-            step=jnp.asarray(r.step, jnp.int32), params=r.params, opt_state=r.opt_state
-        )
-        state = jax.device_put(restored, train_step.state_shardings(state))
+        # The whole TrainState: params, optimizer state, loss scale and skip counters,
+        # on this run's mesh (any data-parallel size).
+        r = ckpt.restore_state(train_step, state)
+        state = r.state
         start = int(r.meta["data_position"])
         console.print(f"resumed from step {r.step} (next batch {start}) in {ckpt.directory}")
 
@@ -595,12 +588,10 @@ def train(
             else:
                 progress.update(task, completed=done)
             if done % cfg["checkpoint"]["every"] == 0 or done == t["steps"]:
-                ckpt.save(
-                    done,
-                    params=state.params,
-                    opt_state=state.opt_state,
-                    tx=tx if zero else None,
-                    mesh=mesh,
+                ckpt.save_state(
+                    train_step,
+                    state,
+                    step=done,
                     meta={"data_position": done, "config": cfg, "data": corpus_id(data)},
                 )
         if previous is not None:

@@ -33,6 +33,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from ..core.names import param_name
 from ..fsdp import shards as fsdp_shards
 from ..step.train_state import TrainState
 from ..step.two_d import portable as two_d_portable
@@ -49,6 +50,17 @@ _VERSION = 1
 NOT_WHOLE_STATE = (
     "checkpoint step {step} in {dir} was saved with `Checkpointer.save` (params and "
     "optimizer state only), not `save_state`: restore it with `Checkpointer.restore`."
+)
+NO_RECORD = (
+    "checkpoint step {step} in {dir} has no `jaxsync` item (the JSON record jaxsync writes "
+    "beside the arrays: mode, optimizer, checksums), so it cannot be restored as a whole "
+    "TrainState: it was written by another tool or by plain orbax, or its `jaxsync` "
+    "folder was removed. Read its arrays with orbax, or restore an intact checkpoint."
+)
+DONATED = (
+    "Checkpointer.save_state: the state's arrays {names} were deleted: this state was "
+    "donated to a training step (`state, loss = step(state, batch)` reuses its buffers). "
+    "Save the state the step returned, or build the step with `donate=False`."
 )
 MODE_CHANGED = (
     "checkpoint step {step} in {dir} holds a mode={saved!r} TrainState, and the step "
@@ -176,6 +188,14 @@ def save_state(
     meta: dict[str, Any] | None,
 ) -> None:
     fn = "Checkpointer.save_state"
+    deleted = [
+        param_name(path)
+        for path, x in jax.tree_util.tree_flatten_with_path(state)[0]
+        if getattr(x, "is_deleted", lambda: False)()
+    ]
+    if deleted:
+        more = f" and {len(deleted) - 4} more" if len(deleted) > 4 else ""
+        raise ValueError(DONATED.format(names=", ".join(deleted[:4]) + more))
     portable = to_portable(ts, state, fn)
     step = int(state.step) if step is None else step
     step, meta = ckpt._check_save(step, meta)
@@ -201,7 +221,9 @@ def restore_state(
     fn = "Checkpointer.restore_state"
     step = ckpt._complete_step(step)
     checks, saved = ckpt._record(step)
-    record = (checks or {}).get(WHOLE_STATE)
+    if checks is None:
+        raise CheckpointMismatchError(NO_RECORD.format(step=step, dir=ckpt.directory))
+    record = checks.get(WHOLE_STATE)
     if record is None:
         raise CheckpointMismatchError(NOT_WHOLE_STATE.format(step=step, dir=ckpt.directory))
     if record.get("mode") != ts.mode.name:

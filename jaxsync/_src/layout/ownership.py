@@ -24,6 +24,7 @@ from typing import Any
 
 import optax
 
+from ..core.introspect import factories
 from .records import Bucket, Buffer, BufferKey, ParamSlot
 
 PyTree = Any
@@ -38,6 +39,18 @@ COSTS: dict[str, Callable[[tuple[int, ...]], float]] = {
     # Shampoo-style: eigen/inverse roots of both (m x m) and (n x n) factors.
     "shampoo": lambda s: float(sum(d**3 for d in s[-2:])) if len(s) >= 2 else float(s[0] ** 3),
 }
+
+
+#: optax transformations that read every param at once (a global norm): run per
+#: matrix, as whole_matrices runs its `inner`, each matrix would see only itself.
+CROSS_PARAM = frozenset({"clip_by_global_norm"})
+WHOLE_COUPLED = (
+    "jaxsync.whole_matrices runs `inner` on each matrix on its own, but `inner` holds "
+    "{found}, which reads all params at once: each matrix would be clipped by its own "
+    "norm. Take it out of `inner` and pass `clip_grad_norm=` to the step or to "
+    "jaxsync.distributed_optimizer, which clips by the true global norm (each owned "
+    "matrix counted once)."
+)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -101,6 +114,9 @@ def whole_matrices(inner: optax.GradientTransformation, *, cost: Cost = "muon") 
     """
     if not hasattr(inner, "init") or not hasattr(inner, "update"):
         raise TypeError(f"`inner` must be an optax GradientTransformation, got {inner!r}.")
+    coupled = sorted(factories(inner) & CROSS_PARAM)
+    if coupled:
+        raise ValueError(WHOLE_COUPLED.format(found=", ".join(f"optax.{c}" for c in coupled)))
     cost_fn(cost)
     return WholeMatrices(inner, cost)
 

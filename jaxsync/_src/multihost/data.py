@@ -111,13 +111,22 @@ def rows_kept(x: Any, mesh: Mesh, axes: tuple[str, ...], fn: str, path: Any = ()
     )  # fmt: skip
 
 
+EMPTY_BATCH = (
+    "TrainStep: the batch has 0 rows (this process's part of the global batch is empty); "
+    "a step on it would count as a step with a NaN loss. Skip the step when the data "
+    "runs out (e.g. drop the last, empty batch of an epoch)."
+)
+
+
 def place_batch(batch: Any, mesh: Mesh, axes: tuple[str, ...], microbatches: int) -> Any:
     """``batch`` sharded over the data axes ``axes`` for a step with ``microbatches``
     (:meth:`TrainStep.place`): rows per device must split into the microbatches, and a
     leaf :func:`rows_kept` keeps its own sharding. ``ShapeDtypeStruct`` leaves get the
     sharding they would have."""
     n = mesh_axes_size(mesh, axes, "TrainStep")
-    batch_rows(batch, "TrainStep")
+    if batch_rows(batch, "TrainStep") == 0:
+        # A step on no rows would average 0/0: a NaN loss in a step counted as taken.
+        raise ValueError(EMPTY_BATCH)
     kept = jax.tree_util.tree_map_with_path(
         lambda path, x: rows_kept(x, mesh, axes, "TrainStep.place", path),
         batch,

@@ -29,6 +29,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from ..core.introspect import is_muon
+
 NOT_ELEMENTWISE = (
     "the optimizer for {what} is not elementwise: run on flat shards that ignore "
     "parameter boundaries it gives different updates than on the parameter tree "
@@ -50,6 +52,19 @@ NOT_ELEMENTWISE = (
     "To skip this check (at your own risk) pass `check_elementwise=False` to "
     "`jaxsync.distributed_optimizer` or `FullyShard.init_optimizer` (the explicit path; "
     "`train_step` always probes)."
+)
+MUON_ON_SHARDS = (
+    "the optimizer for {what} is optax.contrib.muon, which orthogonalizes whole matrices "
+    "(and runs Adam on the rest by its own dimension numbers): flat shards cut them apart "
+    "({detail}). Route the params by label instead, and drop "
+    "`muon_weight_dimension_numbers` (the labels say which params are matrices):\n"
+    "    tx = {{'muon': jaxsync.whole_matrices(optax.contrib.muon(lr)), "
+    "'adamw': optax.adamw(lr)}}\n"
+    "    labels = functools.partial(jaxsync.muon_labels, stacked=...)  # hidden 2-D "
+    "matrices, [L, m, n] in stacked groups -> 'muon'; the rest -> 'adamw'\n"
+    "    step = jaxsync.train_step(loss_fn, tx, mesh, 'zero', labels=labels, stacked=...)\n"
+    "Each matrix is then owned whole by one rank (jaxsync.distributed_optimizer(tx, "
+    "labels=labels, ...) on the explicit path)."
 )
 PROBE_FAILED = (
     "could not probe the optimizer for {what} on a tree shaped like the params: it "
@@ -224,7 +239,7 @@ def _probe(
         out = _run_ranks(tx, view(flat_params), [view(g) for g in flat_grads], axes)
     except Exception as e:  # a mask pytree or a shape-dependent transform
         raise ValueError(
-            NOT_ELEMENTWISE.format(what=what, detail=f"on a flat shard it raised {e!r}")
+            _not_elementwise(tx, what, f"on a flat shard it raised {e!r}")
         ) from e
     for step, leaves in zip(got, out, strict=True):
         for j, u in enumerate(leaves):
@@ -233,8 +248,8 @@ def _probe(
     for (_, step_name), g, w in zip(STEPS, got, want, strict=True):
         if g.shape != w.shape:
             raise ValueError(
-                NOT_ELEMENTWISE.format(
-                    what=what, detail=f"{g.size} update elements on shards, {w.size} on the tree"
+                _not_elementwise(
+                    tx, what, f"{g.size} update elements on shards, {w.size} on the tree"
                 )
             )
         bad = np.flatnonzero(_mismatch(g, w, sizes))
@@ -242,15 +257,19 @@ def _probe(
             pos = int(bad[0])
             leaf = int(np.searchsorted(np.cumsum(sizes), pos, side="right"))
             raise ValueError(
-                NOT_ELEMENTWISE.format(
-                    what=what,
-                    detail=(
-                        f"first seen for param {names[leaf]} after a step of {step_name}: "
-                        f"update {float(w[pos]):.6g} on the tree, {float(g[pos]):.6g} on a "
-                        f"shard; {bad.size} of {w.size} elements differ"
-                    ),
+                _not_elementwise(
+                    tx,
+                    what,
+                    f"first seen for param {names[leaf]} after a step of {step_name}: "
+                    f"update {float(w[pos]):.6g} on the tree, {float(g[pos]):.6g} on a "
+                    f"shard; {bad.size} of {w.size} elements differ",
                 )
             )
+
+
+def _not_elementwise(tx: Any, what: str, detail: str) -> str:
+    message = MUON_ON_SHARDS if is_muon(tx) else NOT_ELEMENTWISE
+    return message.format(what=what, detail=detail)
 
 
 @functools.lru_cache(maxsize=64)

@@ -19,7 +19,8 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from ..core.axes import varying_axes
-from ..core.names import param_name
+from ..core.introspect import is_muon
+from ..core.names import group_of, param_name
 from ..core.specs import local_shape, param_specs_of, spec_axes
 from ..core.validate import check_param_leaves, check_param_specs
 from ..layout.layout import Layout
@@ -36,6 +37,11 @@ from .state import DistributedOptimizerState, initial_metrics
 PyTree = Any
 Labels = PyTree | Callable[[PyTree], PyTree] | None
 
+MUON_NOT_MATRIX = (
+    "param {path} has shape {shape} and is routed to a `jaxsync.whole_matrices` "
+    "optax.contrib.muon, which orthogonalizes 2-D matrices only: on {what} it would "
+    "silently run its Adam instead. {fix}"
+)
 OWNED_VARYING = (
     "param {path} (local shape {shape}) is routed to a `jaxsync.whole_matrices` optimizer "
     "but is sharded over mesh axes {axes}: whole-matrix ownership needs the whole matrix "
@@ -105,13 +111,15 @@ class Plan:
                     "it with a PartitionSpec that does not name those axes (or mark an "
                     "expert axis with jaxsync.ExpertParallel)."
                 )
-            by_path[name] = (lab, sync, tuple(sorted(var)))
+            by_path[name] = (lab, sync, tuple(sorted(var)), param_name(path))
 
         def key_fn(path: str, leaf: Any) -> BufferKey:
-            lab, sync, var = by_path[path]
+            lab, sync, var, dotted = by_path[path]
             owned = self.owned_cost(lab)
             if owned is not None and var:
                 raise ValueError(OWNED_VARYING.format(path=path, shape=leaf.shape, axes=var))
+            if owned is not None and is_muon(self.transform_of(lab)):
+                self._check_matrix(dotted, tuple(leaf.shape))
             return BufferKey(
                 jnp.dtype(leaf.dtype).name,
                 sync.dp_axes,
@@ -159,6 +167,29 @@ class Plan:
         if self.rules is None:
             return set()
         return {r.axis for _, r in self.rules.rules if isinstance(r, ExpertParallel)}
+
+    def _check_matrix(self, name: str, shape: tuple[int, ...]) -> None:
+        """Muon owns 2-D matrices: a param (or a stacked param's layer) of another rank
+        would get its Adam fallback, which no test of the user would notice."""
+        group = group_of(name, self.stacked)
+        row = shape[1:] if group is not None else shape
+        if len(row) == 2:
+            return
+        if group is not None:
+            what, fix = (
+                f"each layer of stacked group {group!r} (shape {row})",
+                "Label it for an elementwise optimizer (muon_labels does for non-matrices).",
+            )
+        elif len(shape) == 3:
+            what, fix = (
+                "a 3-D array",
+                "If it is a stack of layers [L, m, n], pass `stacked=` naming its group "
+                "(each layer's matrix is then owned whole); else label it for an "
+                "elementwise optimizer.",
+            )
+        else:
+            what, fix = (f"a {len(shape)}-D array", "Label it for an elementwise optimizer.")
+        raise ValueError(MUON_NOT_MATRIX.format(path=name, shape=shape, what=what, fix=fix))
 
     def transform_of(self, label: str | None) -> Any:
         return self.inner if label is None else self.inner[label]
@@ -211,6 +242,9 @@ class Plan:
         self, params: PyTree, mesh: Mesh, param_specs: PyTree = None
     ) -> DistributedOptimizerState:
         layout, local, _ = self.layout_outside(params, mesh, param_specs)
+        # The probe first: an optimizer keyed by the param tree (muon's dimension
+        # numbers, a mask tree) fails on a flat shard, inside optax, in the line below.
+        self.check(local, layout)
         shapes = jax.eval_shape(lambda p: self.init_for_rank(p, layout, lambda _: 0), local)
 
         def spec_for(bi: int) -> Callable[[Any], P]:

@@ -17,7 +17,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from ..core.names import group_of, param_name
-from ..layout.placement import normalize_stacked
+from ..layout.placement import normalize_stacked, stack_layers
 from .layerwise import owned_units
 
 PyTree = Any
@@ -48,6 +48,7 @@ def muon_labels(
       {'embed': 'adamw', 'blocks': {'w': 'muon'}, 'head': 'adamw'}
     """
     groups = normalize_stacked(stacked)
+    stack_layers(params, groups)  # a `stacked` name matching no group is a typo: say so
     lowered = tuple(e.lower() for e in exclude)
 
     def label(path: Any, x: Any) -> str:

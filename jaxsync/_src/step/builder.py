@@ -116,7 +116,7 @@ def train_step(
         )  # fmt: skip
         raise ValueError(f"`deterministic` does not support {what}; {fix}.")
     if labels is not None and mode.name == "ddp":  # a replicated optimizer: optax's own way
-        tx = labeled_tx(tx, labels)
+        tx = labeled_tx(tx, labels, normalize_stacked(stacked))
     return TrainStep(
         loss_fn=loss_fn,
         tx=tx,

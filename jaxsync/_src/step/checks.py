@@ -10,6 +10,7 @@ disagree (:mod:`consistency`).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -17,8 +18,10 @@ import numpy as np
 
 from ..core.names import param_name
 from ..core.specs import entry_axes
+from ..layout.ownership import WholeMatrices
 from ..multihost.consistency import check_agree, describe_value, param_values, structure
 from ..optim.checks import check_labels
+from ..optim.per_matrix import per_matrix
 from .modes import deterministic_of
 
 PyTree = Any
@@ -80,13 +83,19 @@ def checked_labels(labels: Any, inner: dict[str, Any]) -> Any:
     return labels_of
 
 
-def labeled_tx(tx: Any, labels: Any) -> Any:
+def labeled_tx(tx: Any, labels: Any, stacked: Sequence[str] = ()) -> Any:
     """``optax.multi_transform`` of a mapping ``label -> optimizer`` with checked
     ``labels``: how every step whose optimizer sees whole params (DDP, and all
-    modes on a 2-D mesh) runs parameter groups."""
+    modes on a 2-D mesh) runs parameter groups. A :func:`jaxsync.whole_matrices`
+    label runs its optimizer matrix by matrix, layer by layer in ``stacked`` groups,
+    as the distributed optimizer's owners do."""
     import optax
 
-    return optax.multi_transform(dict(tx), checked_labels(labels, dict(tx)))
+    inner = {
+        k: per_matrix(v.inner, stacked) if isinstance(v, WholeMatrices) else v
+        for k, v in dict(tx).items()
+    }
+    return optax.multi_transform(inner, checked_labels(labels, dict(tx)))
 
 
 SPEC_AXIS_UNKNOWN = (

@@ -129,8 +129,12 @@ def plan_param(
     n: int,
     layered: bool,
     compiler: Mapping[str, int] | None = None,
+    cut: bool = True,
 ) -> DimPlan:
     """Cuts the first free dim that ``n`` divides, else the largest free dim (padded).
+
+    ``cut=False`` keeps the param whole over the data axes (all-reduced, updated on
+    every data rank): a whole-matrix optimizer's params, which no shard may cut.
 
     The leading free dim first: a scatter along the major dim needs no transpose.
     ``compiler`` (axis -> size) are the step's other axes: those the param is not
@@ -143,7 +147,7 @@ def plan_param(
     spread = tuple(a for a, size in (compiler or {}).items() if a not in used and size > 1)
     m = math.prod((compiler or {})[a] for a in spread)
     free = [i for i, e in enumerate(entries) if e is None and (i > 0 or not layered)]
-    free = [i for i in free if shape[i] > 1]
+    free = [i for i in free if shape[i] > 1 and cut]
     dim = next((i for i in free if shape[i] % (n * m) == 0), None)
     if dim is None:
         dim = next((i for i in free if shape[i] % n == 0), None)

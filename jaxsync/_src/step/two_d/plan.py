@@ -33,6 +33,7 @@ from jax.sharding import PartitionSpec as P
 from ...core.axes import mesh_axes_size
 from ...core.names import group_of, param_name
 from ...core.specs import entry_axes, full_spec, keep_axes
+from ...layout.ownership import WholeMatrices
 from ...optim.loss_scale import init_loss_scale
 from ...optim.state import initial_metrics
 from ..checks import labeled_tx
@@ -92,13 +93,19 @@ class SpecLayout:
 
 
 def plan_layout(
-    params: PyTree, data: tuple[str, ...], compiler: Mapping[str, int], n: int, stacked: tuple
+    params: PyTree,
+    data: tuple[str, ...],
+    compiler: Mapping[str, int],
+    n: int,
+    stacked: tuple,
+    whole: frozenset[str] = frozenset(),
 ) -> SpecLayout:
     def one(path: Any, x: Any) -> DimPlan:
         name = param_name(path)
         layered = group_of(name, stacked) is not None
         spec = param_spec(x, data)
-        return plan_param(name, tuple(x.shape), x.dtype, spec, n, layered, compiler)
+        cut = name not in whole
+        return plan_param(name, tuple(x.shape), x.dtype, spec, n, layered, compiler, cut)
 
     plans = jax.tree_util.tree_map_with_path(one, params)
     return SpecLayout(plans, data, tuple(compiler), stacked)
@@ -113,7 +120,22 @@ def spec_layout(cfg: Any, params: PyTree) -> SpecLayout | None:
         return None
     n = mesh_axes_size(cfg.mesh, data, "jaxsync.train_step")
     sizes = {a: cfg.mesh.shape[a] for a in compiler}
-    return plan_layout(params, data, sizes, n, cfg.stacked)
+    return plan_layout(params, data, sizes, n, cfg.stacked, _owned_names(cfg, params))
+
+
+def _owned_names(cfg: Any, params: PyTree) -> frozenset[str]:
+    """Params of :func:`jaxsync.whole_matrices` labels: kept whole over the data axes
+    (the optimizer must see each matrix whole; 1-D steps own each on one rank)."""
+    tx, labels = cfg.tx, cfg.labels
+    if not isinstance(tx, Mapping) or labels is None:
+        return frozenset()
+    owned = {k for k, v in tx.items() if isinstance(v, WholeMatrices)}
+    tree = labels(params) if callable(labels) else labels
+    return frozenset(
+        param_name(path)
+        for path, label in jax.tree_util.tree_flatten_with_path(tree)[0]
+        if label in owned
+    )
 
 
 def make_state(
@@ -124,7 +146,7 @@ def make_state(
     mesh, data = cfg.mesh, cfg.axis_name
     tx = cfg.tx
     if isinstance(tx, Mapping):  # zero/fsdp parameter groups (ddp's tx is wrapped already)
-        tx = labeled_tx(tx, cfg.labels)
+        tx = labeled_tx(tx, cfg.labels, cfg.stacked)
     sharding = lambda spec: NamedSharding(mesh, spec)  # noqa: E731
     param_specs = layout.map(lambda p: P(*p.spec))
     shard_specs = layout.map(lambda p: p.shard_spec(data))

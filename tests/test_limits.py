@@ -1,0 +1,184 @@
+"""Documented limits are enforced: each case here trained silently wrong, or failed
+deep inside optax or JAX, before it was checked. Every check names what is at fault
+and says what to write instead."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from conftest import require_devices
+from helpers import place_by_specs
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
+
+import jaxsync
+
+
+def stacked_params(key=0, layers=3, d=8):
+    k = jax.random.split(jax.random.PRNGKey(key), 3)
+    return {
+        "inp": {"w": jax.random.normal(k[0], (4, d)) / 2},
+        "blocks": {"w": jax.random.normal(k[1], (layers, d, d)) / 3, "g": jnp.ones((layers, d))},
+        "head": {"w": jax.random.normal(k[2], (d, 2)) / 3},
+    }
+
+
+def stacked_loss(p, batch):
+    x, y = batch
+    h = x @ p["inp"]["w"]
+
+    def body(h, layer):
+        layer = jaxsync.tap(layer)
+        return h + jnp.tanh(h @ layer["w"]) * layer["g"], None
+
+    h, _ = jax.lax.scan(body, h, p["blocks"])
+    return jnp.mean((h @ p["head"]["w"] - y) ** 2)
+
+
+def batch(rows=16):
+    rng = np.random.default_rng(0)
+    return rng.normal(size=(rows, 4)).astype(np.float32), rng.normal(size=(rows, 2)).astype(
+        np.float32
+    )
+
+
+MUON = {"muon": jaxsync.whole_matrices(optax.contrib.muon(0.02)), "adamw": optax.adamw(1e-3)}
+
+
+@pytest.mark.parametrize("mode", ["zero", "fsdp"])
+def test_muon_with_its_own_dimension_numbers_gets_the_rewrite(mesh8, mode):
+    """optax.contrib.muon as the user has it failed inside optax ("pytree structure
+    error"); now jaxsync names it and writes out the labelled form."""
+    params = stacked_params()
+    dims = jax.tree.map(
+        lambda x: optax.contrib.MuonDimensionNumbers() if x.ndim == 2 else None, params
+    )
+    tx = optax.contrib.muon(0.02, muon_weight_dimension_numbers=dims)
+    step = jaxsync.train_step(stacked_loss, tx, mesh8, mode)
+    with pytest.raises(ValueError, match=r"(?s)is optax.contrib.muon.*whole_matrices") as e:
+        step.init(params)
+    assert "muon_labels" in str(e.value) and "muon_weight_dimension_numbers" in str(e.value)
+
+
+def test_global_norm_clipping_inside_whole_matrices_is_refused():
+    inner = optax.chain(optax.clip_by_global_norm(1.0), optax.contrib.muon(0.02))
+    with pytest.raises(ValueError, match=r"optax.clip_by_global_norm.*clip_grad_norm="):
+        jaxsync.whole_matrices(inner)
+    jaxsync.whole_matrices(optax.chain(optax.clip(1.0), optax.contrib.muon(0.02)))  # per element
+
+
+def test_muon_labels_refuses_a_stacked_typo():
+    params = stacked_params()
+    with pytest.raises(ValueError, match=r"`stacked` names \['block'\], which match no params"):
+        jaxsync.muon_labels(params, stacked="block")
+    assert jaxsync.muon_labels(params, stacked="blocks")["blocks"]["w"] == "muon"
+
+
+def test_a_stack_owned_by_muon_needs_stacked(mesh8):
+    """A [L, D, D] stack routed to Muon without `stacked=` ran Muon's Adam fallback."""
+    params = stacked_params()
+    labels = jax.tree_util.tree_map_with_path(
+        lambda path, x: "muon" if "blocks" in jax.tree_util.keystr(path) and x.ndim == 3
+        else "adamw", params,
+    )  # fmt: skip
+
+    def unscanned_loss(p, b):  # the same model, its stack read without taps
+        x, y = b
+        h = x @ p["inp"]["w"]
+        for i in range(p["blocks"]["w"].shape[0]):
+            h = h + jnp.tanh(h @ p["blocks"]["w"][i]) * p["blocks"]["g"][i]
+        return jnp.mean((h @ p["head"]["w"] - y) ** 2)
+
+    step = jaxsync.train_step(unscanned_loss, MUON, mesh8, labels=labels)
+    with pytest.raises(ValueError, match=r"param blocks.w has shape \(3, 8, 8\).*pass `stacked=`"):
+        step.init(params)
+    step = jaxsync.train_step(stacked_loss, MUON, mesh8, labels=labels, stacked="blocks")
+    state, _ = step(step.init(params), batch())  # with `stacked=` each layer is owned whole
+    assert int(state.step) == 1
+
+
+def _per_layer_muon_reference(params, labels, batches):
+    """Single-device optax: Muon on each matrix, each layer of the stack on its own."""
+    from jaxsync._src.optim.per_matrix import per_matrix
+
+    tx = optax.multi_transform(
+        {"muon": per_matrix(MUON["muon"].inner, ("blocks",)), "adamw": MUON["adamw"]}, labels
+    )
+    p, s = params, tx.init(params)
+    for b in batches:
+        u, s = tx.update(jax.grad(stacked_loss)(p, b), s, p)
+        p = optax.apply_updates(p, u)
+    return p
+
+
+LABELS = {"inp": {"w": "adamw"}, "blocks": {"w": "muon", "g": "adamw"}, "head": {"w": "muon"}}
+
+
+@pytest.mark.parametrize("mode", ["zero", "ddp", "fsdp"])
+def test_whole_matrices_on_a_two_d_mesh_own_whole_matrices(mode):
+    """On (data=4, model=2) the optimizer runs inside the data-manual step: Muon ran on
+    each data rank's cut of a matrix (0.04 off), and on a stack as one 3-D array (its
+    Adam fallback). Now each matrix is kept whole over the data axes (a model-split one
+    whole by the compiler) and each layer of a stack is its own matrix."""
+    require_devices(8)
+    mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+    params = stacked_params()
+    specs = jax.tree.map(lambda x: P(), params)
+    specs["inp"]["w"], specs["head"]["w"] = P(None, "model"), P("model", None)
+    step = jaxsync.train_step(stacked_loss, MUON, mesh, mode, labels=LABELS, stacked="blocks")
+    state = step.init(place_by_specs(mesh, params, specs))
+    batches = [batch()] * 3
+    for b in batches:
+        state, _ = step(state, b)
+    want = _per_layer_muon_reference(params, LABELS, batches)
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6),
+        step.params(state), want,
+    )  # fmt: skip
+
+
+def test_ddp_runs_whole_matrices_layer_by_layer(mesh8):
+    step = jaxsync.train_step(stacked_loss, MUON, mesh8, "ddp", labels=LABELS, stacked="blocks")
+    state = step.init(stacked_params())
+    batches = [batch()] * 3
+    for b in batches:
+        state, _ = step(state, b)
+    want = _per_layer_muon_reference(stacked_params(), LABELS, batches)
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6),
+        step.params(state), want,
+    )  # fmt: skip
+
+
+def test_save_state_of_a_donated_state_names_the_donation(mesh8, tmp_path):
+    step = jaxsync.train_step(stacked_loss, optax.sgd(0.1), mesh8, stacked="blocks")
+    state = step.init(stacked_params())
+    new, _ = step(state, batch())  # `state` is donated here
+    with jaxsync.Checkpointer(tmp_path) as ckpt:
+        with pytest.raises(ValueError, match=r"donated to a training step"):
+            ckpt.save_state(step, state)
+        ckpt.save_state(step, new)
+
+
+def test_restore_state_without_the_jaxsync_record_says_so(mesh8, tmp_path):
+    import shutil
+
+    step = jaxsync.train_step(stacked_loss, optax.sgd(0.1), mesh8, "ddp", stacked="blocks")
+    state = step.init(stacked_params())
+    with jaxsync.Checkpointer(tmp_path) as ckpt:
+        ckpt.save_state(step, state)
+    shutil.rmtree(tmp_path / "0" / "jaxsync")
+    with (
+        jaxsync.Checkpointer(tmp_path) as ckpt,
+        pytest.raises(jaxsync.CheckpointMismatchError, match=r"has no `jaxsync` item"),
+    ):
+        ckpt.restore_state(step, step.init(stacked_params()))
+
+
+def test_an_empty_batch_is_not_a_step(mesh8):
+    step = jaxsync.train_step(stacked_loss, optax.sgd(0.1), mesh8, stacked="blocks")
+    state = step.init(stacked_params())
+    x, y = batch()
+    with pytest.raises(ValueError, match=r"the batch has 0 rows"):
+        step(state, (x[:0], y[:0]))
