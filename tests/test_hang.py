@@ -280,3 +280,30 @@ def test_timeout_from_the_argument_or_the_environment(monkeypatch):
         timeout_from(None)
     with pytest.raises(ValueError, match="`hang_timeout` must be a number of seconds >= 0"):
         timeout_from(-1)
+
+
+def test_train_step_and_checkpointer_mark_their_phase(tmp_path, monkeypatch):
+    # One process: the marks are read only by a running watchdog, so pretend one runs.
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+
+    import jaxsync
+    from jaxsync._src.multihost import watchdog
+
+    monkeypatch.setattr(watchdog, "_watch", object())
+    monkeypatch.setattr(watchdog, "_pos", (0, START))
+    monkeypatch.setattr(watchdog, "_pending", watchdog.collections.deque(maxlen=64))
+    mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+    loss_fn = lambda p, b: jnp.mean((b @ p["w"]) ** 2)  # noqa: E731
+    step = jaxsync.train_step(loss_fn, optax.sgd(0.1), mesh, "ddp")
+    state = step.init({"w": jnp.ones((3,))})
+    for _ in range(3):
+        state, loss = step(state, np.ones((4, 3), np.float32))
+    assert watchdog._pos == (3, DATA) and [n for n, _ in watchdog._pending] == [1, 2, 3]
+    during = []
+    monkeypatch.setattr(jaxsync.Checkpointer, "_write", lambda *a: during.append(watchdog._pos))
+    with jaxsync.Checkpointer(tmp_path / "ckpt") as ckpt:
+        ckpt.save(3, params=step.params(state), opt_state=())
+    assert during == [(3, CHECKPOINT)] and watchdog._pos == (3, DATA)

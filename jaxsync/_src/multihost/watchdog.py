@@ -257,7 +257,11 @@ class _Watch:
             else:
                 verdict = decide(seen, self.timeout)
             if verdict is not None:
-                self.fail(report(verdict, seen, self.timeout, self.rank))
+                text = report(verdict, seen, self.timeout, self.rank)
+                if now - self.answered > self.timeout / 3 and self.rank != 0:
+                    quiet = now - self.answered
+                    text += f"\n  (the coordination service in process 0: silent for {quiet:.1f}s)"
+                self.fail(text)
 
     def fail(self, message: str) -> None:
         with contextlib.suppress(Exception):
