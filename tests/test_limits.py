@@ -182,3 +182,16 @@ def test_an_empty_batch_is_not_a_step(mesh8):
     x, y = batch()
     with pytest.raises(ValueError, match=r"the batch has 0 rows"):
         step(state, (x[:0], y[:0]))
+
+
+def test_two_d_step_on_an_explicit_mesh_says_to_use_auto():
+    """jax.make_mesh's default axes are Explicit; a step the compiler partitions needs
+    Auto ones (it failed inside a custom VJP's type check)."""
+    require_devices(8)
+    mesh = jax.make_mesh((4, 2), ("data", "model"))
+    params = stacked_params()
+    specs = jax.tree.map(lambda x: P(), params)
+    specs["inp"]["w"] = P(None, "model")
+    step = jaxsync.train_step(stacked_loss, optax.sgd(0.1), mesh, stacked="blocks")
+    with pytest.raises(ValueError, match=r"Explicit axes \['data', 'model'\].*AxisType.Auto"):
+        step.init(place_by_specs(mesh, params, specs))

@@ -207,6 +207,13 @@ attempt("lr", lambda: jaxsync.train_step(loss, optax.adam(lr), mesh).init(params
 # params from another seed on process 1
 other = dict(params, b=params["b"] + me)
 attempt("params", lambda: jaxsync.train_step(loss, optax.sgd(0.1), mesh).init(other))
+# process 1 shards w over "model" (a 2-D step there, a 1-D one on process 0)
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+mesh2 = jax.make_mesh((2, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+spec = P() if me == 0 else P(None, "model")
+placed = dict(params, w=jax.device_put(np.ones((4, 2), np.float32), NamedSharding(mesh2, spec)))
+placed["b"] = jax.device_put(np.zeros((2,), np.float32), NamedSharding(mesh2, P()))
+attempt("specs", lambda: jaxsync.train_step(loss, optax.sgd(0.1), mesh2).init(placed))
 # another row count from process 1's data loader
 step = jaxsync.train_step(loss, optax.sgd(0.1), mesh, mode="ddp")
 state = step.init(params)
@@ -236,6 +243,9 @@ def test_processes_that_disagree_are_named(tmp_path):
         assert "optimizer `tx` (its hyperparameters)" in out["lr"]
         assert "[0]: " in out["lr"] and "-0.1" in out["lr"] and "-0.2" in out["lr"]
         assert "param b:" in out["params"] and "param w" not in out["params"]
+        assert "param shardings (PartitionSpecs)" in out["specs"]
+        assert "process(es) [0]: param b: P();param w: P()\n" in out["specs"]
+        assert "process(es) [1]: param b: P();param w: P(None, 'model')\n" in out["specs"]
         assert "process(es) [0]: 4 rows" in out["rows"]
         assert "process(es) [1]: 8 rows" in out["rows"]
         assert out["loss"] == 9.0

@@ -103,6 +103,20 @@ def structure(tree: PyTree) -> str:
     )
 
 
+def shardings(tree: PyTree) -> str:
+    """Each leaf's PartitionSpec as text ("-" for an array with no NamedSharding).
+
+    Compared before anything else of a step is built: processes that disagree on a
+    param's spec take different code paths (a 2-D step on one, a 1-D step on another)
+    and would meet in different collectives, garbling whatever they exchange next.
+    """
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return ";".join(
+        f"param {param_name(p)}: {getattr(getattr(x, 'sharding', None), 'spec', '-')}"
+        for p, x in leaves
+    )
+
+
 def _digest(text: str) -> np.ndarray:
     """Two int32 words of the text's sha256 (int32: all-gathered without x64)."""
     raw = hashlib.sha256(text.encode()).digest()[:8]

@@ -19,7 +19,13 @@ import numpy as np
 from ..core.names import param_name
 from ..core.specs import entry_axes
 from ..layout.ownership import WholeMatrices
-from ..multihost.consistency import check_agree, describe_value, param_values, structure
+from ..multihost.consistency import (
+    check_agree,
+    describe_value,
+    param_values,
+    shardings,
+    structure,
+)
 from ..optim.checks import check_labels
 from ..optim.per_matrix import per_matrix
 from .modes import deterministic_of
@@ -238,6 +244,7 @@ def check_processes_at_init(cfg: Any, params: PyTree, model_state: PyTree) -> No
     fn = "TrainStep.init"
     items = step_items(cfg) + [
         ("param structure (paths, shapes, dtypes)", structure(params)),
+        ("param shardings (PartitionSpecs)", shardings(params)),
         ("model state structure", structure(model_state)),
     ]
     check_agree(items, fn)

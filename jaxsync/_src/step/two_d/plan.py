@@ -27,7 +27,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ...core.axes import mesh_axes_size
@@ -111,6 +111,15 @@ def plan_layout(
     return SpecLayout(plans, data, tuple(compiler), stacked)
 
 
+EXPLICIT_AXES = (
+    "jaxsync.train_step: params are sharded over {compiler}, so the step leaves those axes "
+    "to the compiler (tensor parallelism by specs), which needs the mesh's axes to be "
+    "AxisType.Auto; this mesh has Explicit axes {axes} (jax.make_mesh's default). Build it "
+    "with `jax.make_mesh(shape, {names}, axis_types=(jax.sharding.AxisType.Auto,) * "
+    "{n})` and place the params on that mesh."
+)
+
+
 def spec_layout(cfg: Any, params: PyTree) -> SpecLayout | None:
     """The 2-D plan of ``params`` (arrays or ShapeDtypeStructs with shardings), or None
     when no param is sharded over an axis other than the data axes."""
@@ -119,6 +128,17 @@ def spec_layout(cfg: Any, params: PyTree) -> SpecLayout | None:
     if not compiler:
         return None
     n = mesh_axes_size(cfg.mesh, data, "jaxsync.train_step")
+    explicit = [
+        a for a, t in zip(cfg.mesh.axis_names, cfg.mesh.axis_types, strict=True)
+        if t == AxisType.Explicit
+    ]  # fmt: skip
+    if explicit:
+        raise ValueError(
+            EXPLICIT_AXES.format(
+                axes=explicit, compiler=list(compiler), names=cfg.mesh.axis_names,
+                n=len(cfg.mesh.axis_names),
+            )
+        )  # fmt: skip
     sizes = {a: cfg.mesh.shape[a] for a in compiler}
     return plan_layout(params, data, sizes, n, cfg.stacked, _owned_names(cfg, params))
 
