@@ -7,7 +7,7 @@ collective forever, and XLA cannot be interrupted from Python. So, with a
 
 - the *publisher* writes this process's heartbeat counter, its (step, phase) and
   how many steps its device has finished into the coordination service's
-  key-value store every ``timeout / 10`` s, and reads everyone's;
+  key-value store every ``timeout / 10`` s (at most 2 s), and reads everyone's;
 - the *judge* applies :func:`decide` to what was read. Ages are measured on this
   process's own clock from when a value last *changed*: no clocks are compared
   across hosts. On a verdict it prints the report and this process's Python
@@ -15,7 +15,9 @@ collective forever, and XLA cannot be interrupted from Python. So, with a
   ``os._exit`` (the only way out of a blocked collective).
 
 The training thread only assigns a tuple (:func:`run_step`, :func:`phase`): no
-RPC and no device read sits on the step's path.
+RPC sits on the step's path, and the step counter is read from the device once per
+state it did not return itself (the first step, a restored state). The optimizer
+update runs in the step's one XLA program, so it is reported as forward/backward.
 """
 
 from __future__ import annotations
