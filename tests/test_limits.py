@@ -195,3 +195,43 @@ def test_two_d_step_on_an_explicit_mesh_says_to_use_auto():
     step = jaxsync.train_step(stacked_loss, optax.sgd(0.1), mesh, stacked="blocks")
     with pytest.raises(ValueError, match=r"Explicit axes \['data', 'model'\].*AxisType.Auto"):
         step.init(place_by_specs(mesh, params, specs))
+
+
+def _scale_by_name(key, factor):
+    """A user's own transformation keyed by param names (nanodo's lr multipliers)."""
+
+    def update(u, state, params=None):
+        del params
+        scaled = jax.tree_util.tree_map_with_path(
+            lambda path, g: g * (factor if key in jax.tree_util.keystr(path) else 1.0), u
+        )
+        return scaled, state
+
+    return optax.GradientTransformation(lambda p: optax.EmptyState(), update)
+
+
+@pytest.mark.parametrize("mode", ["zero", "fsdp", "ddp"])
+def test_a_name_keyed_transform_sees_names_or_is_refused(mesh8, mode):
+    """Chained into a label's optimizer, a transform keyed by names never matched on
+    the flat shards of zero and fsdp: it trained as if its multiplier were 1 (6e-2
+    off). The probe now hands it the tree as optax does, so it is refused there; ddp,
+    whose optimizer sees the real tree, trains equal to single-device optax."""
+    from helpers import make_batches, mlp_loss, mlp_params, run_reference
+
+    params = mlp_params(jax.random.PRNGKey(0))
+    tx = {"a": optax.chain(_scale_by_name("['w']", 10.0), optax.sgd(0.1)), "b": optax.sgd(0.1)}
+    labels = jax.tree.map(lambda x: "a" if x.ndim == 2 else "b", params)
+    step = jaxsync.train_step(mlp_loss, tx, mesh8, mode, labels=labels)
+    if mode != "ddp":
+        with pytest.raises(ValueError, match=r"(?s)label 'a' is not elementwise.*keyed by param"):
+            step.init(params)
+        return
+    batches = make_batches(jax.random.PRNGKey(1), steps=2, batch=16)
+    state = step.init(params)
+    for b in zip(*batches, strict=True):
+        state, _ = step(state, b)
+    want, _ = run_reference(optax.multi_transform(tx, labels), params, batches)
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6),
+        step.params(state), want,
+    )  # fmt: skip

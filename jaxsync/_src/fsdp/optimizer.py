@@ -163,7 +163,13 @@ def probe(fs: FullyShardT, tx: Any) -> None:
             (u, tuple(j for j, i in enumerate(idx) if i in fs.members(u))) for u in fs.units
         )
         units = tuple((u, m) for u, m in units if m)
-        check_elementwise(inner, [shapes[i] for i in idx], f"label {lab!r}", units=units, axes=axes)
+        # The tree as optax.multi_transform hands it over: real names, the other
+        # labels' params masked out (a transform keyed by names must see them).
+        mine = set(idx)
+        tree = jax.tree.unflatten(
+            fs.treedef, [x if i in mine else optax.MaskedNode() for i, x in enumerate(shapes)]
+        )
+        check_elementwise(inner, tree, f"label {lab!r}", units=units, axes=axes)
 
 
 def init_optimizer(
