@@ -7,6 +7,7 @@ from jaxsync._src.checkpoint.checkpointer import (
 from jaxsync._src.checkpoint.checkpointer import (
     CorruptCheckpointError as CorruptCheckpointError,
 )
+from jaxsync._src.checkpoint.checkpointer import PartialSaveWarning as PartialSaveWarning
 from jaxsync._src.checkpoint.checkpointer import Restored as Restored
 from jaxsync._src.checkpoint.train_state import RestoredState as RestoredState
 from jaxsync._src.core.axes import normalize_axes as normalize_axes
@@ -102,6 +103,7 @@ __all__ = [
     "schedule_report",
     "OwnedMatrix",
     "OwnershipReport",
+    "PartialSaveWarning",
     "WholeMatrices",
     "muon_labels",
     "ownership_report",

@@ -235,3 +235,22 @@ def test_a_name_keyed_transform_sees_names_or_is_refused(mesh8, mode):
         lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6),
         step.params(state), want,
     )  # fmt: skip
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp", "zero"])
+def test_a_partial_save_of_a_step_state_warns(mesh8, mode, tmp_path):
+    """Checkpointer.save(params=, opt_state=) of a DDP/FSDP step's state dropped its loss
+    scale and skip counters without a word; ZeRO keeps them in its optimizer state."""
+    import warnings
+
+    step = jaxsync.train_step(stacked_loss, optax.sgd(0.1), mesh8, mode, stacked="blocks")
+    state, _ = step(step.init(stacked_params()), batch())
+    kw = dict(params=state.params, opt_state=state.opt_state)
+    with jaxsync.Checkpointer(tmp_path) as ckpt:
+        if mode == "zero":
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                ckpt.save(1, **kw, tx=step.optimizer(state), mesh=mesh8)
+            return
+        with pytest.warns(jaxsync.PartialSaveWarning, match=r"(?s)state.guard.*save_state"):
+            ckpt.save(1, **kw)

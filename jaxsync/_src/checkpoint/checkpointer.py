@@ -22,6 +22,7 @@ import atexit
 import logging
 import os
 import threading
+import warnings
 from typing import Any
 
 import jax
@@ -33,6 +34,7 @@ from ..multihost.watchdog import CHECKPOINT, phase  # names the phase in a hang 
 from ..optim.loss_scale import init_loss_scale
 from ..optim.optimizer import DistributedOptimizer
 from ..optim.state import DistributedOptimizerState
+from ..step.handed import dropped_by_save
 from .checksum import tree_checksums
 from .describe import DISTRIBUTED, describe_optimizer, optimizer_differences
 from .io import CheckpointIO
@@ -95,6 +97,17 @@ def _finish_at_exit() -> None:
         except RuntimeError:  # the interpreter is already shutting down
             atexit.register(_finish_open_checkpointers)
         _HOOKED = True
+
+
+PARTIAL_SAVE = (
+    "Checkpointer.save: `opt_state` is a jaxsync.train_step state's (mode={mode!r}); `save` "
+    "writes params and optimizer state only, so {lost} would not be saved, and a resumed "
+    "run would restart them. Save the whole state with `ckpt.save_state(step, state)`."
+)
+
+
+class PartialSaveWarning(UserWarning):
+    """``Checkpointer.save`` was handed part of a TrainState that holds more."""
 
 
 class Checkpointer(CheckpointIO):
@@ -177,6 +190,13 @@ class Checkpointer(CheckpointIO):
             comes without ``tx`` and ``mesh``, or ``meta`` is not JSON.
         """
         step, meta = self._check_save(step, meta)
+        dropped = dropped_by_save(opt_state)
+        if dropped is not None:
+            warnings.warn(
+                PARTIAL_SAVE.format(mode=dropped[0].mode.name, lost=dropped[1]),
+                PartialSaveWarning,
+                stacklevel=2,
+            )
         if isinstance(opt_state, DistributedOptimizerState):
             if not isinstance(tx, DistributedOptimizer) or mesh is None:
                 raise ValueError(

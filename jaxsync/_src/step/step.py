@@ -39,6 +39,7 @@ from ..optim.loss_scale import LossScale, init_loss_scale
 from ..optim.optimizer import distributed_optimizer
 from ..optim.portable import signature
 from ..optim.state import initial_metrics
+from . import handed
 from .body import per_device
 from .checks import (
     check_deterministic_state,
@@ -104,6 +105,7 @@ class TrainStep:
         state, plan = self._make(model, params, rest, layout)
         state = _distinct(state)
         self._register(state, plan)
+        handed.note(self, state)
         return state
 
     def abstract_state(self, params: Any, *nnx_states: Any) -> TrainState:
@@ -223,7 +225,9 @@ class TrainStep:
         if not self._stepped:  # once: every process takes its first step together
             check_processes_first_step(self, state, batch)
             self._stepped.append(True)
-        return watchdog.run_step(plan.fn, state, placed)  # marks the step for a hang's report
+        out = watchdog.run_step(plan.fn, state, placed)  # marks the step for a hang's report
+        handed.note(self, out[0])
+        return out
 
     def lower(self, state: TrainState, batch: PyTree) -> Any:
         """The step lowered for ``state`` and ``batch`` (``.compile()``, then e.g.
