@@ -66,6 +66,7 @@ from jaxsync._src.step.modes import FSDP as FSDP
 from jaxsync._src.step.modes import ZeRO as ZeRO
 from jaxsync._src.step.nnx_bridge import merge_module as merge_module
 from jaxsync._src.step.nnx_bridge import scan_layers as scan_layers
+from jaxsync._src.step.skips import AlwaysSkippedWarning as AlwaysSkippedWarning
 from jaxsync._src.step.step import TrainStep as TrainStep
 from jaxsync._src.step.train_state import TrainState as TrainState
 from jaxsync._src.sync.collectives import bucket_all_gather as bucket_all_gather
@@ -108,6 +109,7 @@ __all__ = [
     "muon_labels",
     "ownership_report",
     "whole_matrices",
+    "AlwaysSkippedWarning",
     "Bucket",
     "DDP",
     "FSDP",

@@ -254,3 +254,29 @@ def test_a_partial_save_of_a_step_state_warns(mesh8, mode, tmp_path):
             return
         with pytest.warns(jaxsync.PartialSaveWarning, match=r"(?s)state.guard.*save_state"):
             ckpt.save(1, **kw)
+
+
+def test_a_constant_loss_scale_that_always_overflows_is_named_once(mesh8):
+    import warnings
+
+    step = jaxsync.train_step(stacked_loss, optax.sgd(0.1), mesh8, "ddp", stacked="blocks",
+                              loss_scale=1e38)  # fmt: skip
+    state = step.init(stacked_params())
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for _ in range(12):
+            state, _ = step(state, batch())
+            jax.block_until_ready(state)  # the check reads a finished step's counter only
+    named = [w for w in seen if issubclass(w.category, jaxsync.AlwaysSkippedWarning)]
+    assert len(named) == 1 and "loss_scale=1e+38" in str(named[0].message)
+    assert int(state.step) == 0 and int(state.metrics.skipped_steps) == 12
+    # A scale that fits trains, and says nothing.
+    fine = jaxsync.train_step(stacked_loss, optax.sgd(0.1), mesh8, "ddp", stacked="blocks",
+                              loss_scale=1024.0)  # fmt: skip
+    state = fine.init(stacked_params())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", jaxsync.AlwaysSkippedWarning)
+        for _ in range(10):
+            state, _ = fine(state, batch())
+            jax.block_until_ready(state)
+    assert int(state.step) == 10

@@ -39,7 +39,7 @@ from ..optim.loss_scale import LossScale, init_loss_scale
 from ..optim.optimizer import distributed_optimizer
 from ..optim.portable import signature
 from ..optim.state import initial_metrics
-from . import handed
+from . import handed, skips
 from .body import per_device
 from .checks import (
     check_deterministic_state,
@@ -225,6 +225,7 @@ class TrainStep:
         if not self._stepped:  # once: every process takes its first step together
             check_processes_first_step(self, state, batch)
             self._stepped.append(True)
+        skips.watch(self, state)
         out = watchdog.run_step(plan.fn, state, placed)  # marks the step for a hang's report
         handed.note(self, out[0])
         return out
