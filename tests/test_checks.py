@@ -136,6 +136,8 @@ def test_unfactored_looking_adafactor_rejected_on_real_shapes():
     ],
 )
 def test_elementwise_optimizers_accepted(inner):
+    """The probe alone (no raise); test_optimizer.py trains lion, rmsprop, adagrad and
+    nadam on shards against single-device optax."""
     elementwise.check_elementwise(inner, mlp_params(jax.random.PRNGKey(0)), "all params")
 
 

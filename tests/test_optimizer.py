@@ -329,13 +329,29 @@ def test_non_elementwise_inner_rejected(mesh8, inner, match):
 
 
 @pytest.mark.parametrize(
-    "inner",
-    [optax.adamw(1e-3), optax.lion(1e-3), optax.rmsprop(1e-3), optax.sgd(1e-2, momentum=0.9)],
+    "make",
+    [
+        lambda: optax.lion(1e-3, weight_decay=1e-2),
+        lambda: optax.rmsprop(1e-2),
+        lambda: optax.adagrad(1e-1),
+        lambda: optax.nadam(1e-2),
+    ],
+    ids=["lion", "rmsprop", "adagrad", "nadam"],  # adamw, momentum: trained above
 )
-def test_elementwise_inner_accepted(mesh8, inner):
+def test_elementwise_inner_accepted_and_equal_to_single_device(mesh8, make):
+    """Accepted by the elementwise probe, and trained on flat shards as optax trains
+    the whole tree on one device (2 steps)."""
     params = mlp_params(jax.random.PRNGKey(0))
-    tx = jaxsync.distributed_optimizer(inner, axis_name="data")
-    tx.sharded_init(params, mesh8)
+    batches = make_batches(jax.random.PRNGKey(1), 2, BATCH)
+    ref, _ = run_reference(make(), params, batches)
+    tx = jaxsync.distributed_optimizer(make(), axis_name="data")
+    got, _ = run_sharded(mesh8, tx, params, batches)
+    moved = max(
+        float(np.max(np.abs(a - b)))
+        for a, b in zip(jax.tree.leaves(ref), jax.tree.leaves(params), strict=True)
+    )
+    assert moved > 1e-3
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6), got, ref)
 
 
 def test_bad_arguments(mesh8):
