@@ -5,7 +5,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import count_collectives, count_lowered_collectives, make_batches, mlp_loss, mlp_params
+from helpers import (
+    count_collectives,
+    count_lowered_collectives,
+    make_batches,
+    mlp_loss,
+    mlp_params,
+    scanned_params,
+)
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -308,3 +315,83 @@ def test_reduce_scatter_gives_each_rank_its_layout_ranges(mesh8):
             np.testing.assert_allclose(shards[r][lo:hi], leaves[piece.slot][plo:phi], rtol=1e-6)
             covered += hi - lo
     assert covered == sum(x.size for x in leaves)
+
+
+def test_all_gather_lays_each_rank_shard_where_the_layout_says(mesh8):
+    """bucket_all_gather of hand-cut shards (bucket by bucket, rank r owning the r-th
+    slice of each): the full buffers the slots describe, padding zero; fp32, bf16
+    and a stacked ``[layers, size]`` buffer (2, 1 and 3 buckets)."""
+    params = scanned_params(jax.random.PRNGKey(0), layers=3)
+    params["head"]["w"] = params["head"]["w"].astype(jnp.bfloat16)
+    params["bias"] = 1.0 + jnp.arange(30, dtype=jnp.float32)
+    layout = jaxsync.build_layout(params, num_shards=8, bucket_size=64, stacked="blocks")
+    kinds = {(b.key.dtype, b.layers): len(b.buckets) for b in layout.buffers}
+    assert kinds == {("float32", 0): 2, ("bfloat16", 0): 1, ("float32", 3): 3}, kinds
+    leaves = jax.tree.leaves(params)
+
+    fulls, shards = [], []
+    for buf in layout.buffers:
+        full = np.zeros((*buf.lead, buf.size), np.float32)
+        for si in buf.slots:
+            slot = layout.slots[si]
+            x = np.asarray(leaves[slot.leaf_index], np.float32)
+            full[..., slot.start : slot.end] = (
+                x.reshape(buf.layers, -1) if buf.layers else x.ravel()
+            )
+        cut = [(b.start, b.size // 8) for b in buf.buckets]
+        ranks = [np.concatenate([full[..., s + r * k : s + (r + 1) * k] for s, k in cut], -1)
+                 for r in range(8)]  # fmt: skip
+        fulls.append(full)
+        shards.append(np.concatenate(ranks, -1))  # rank r's shard is the r-th eighth
+    specs = tuple(P(None, "data") if buf.layers else P("data") for buf in layout.buffers)
+
+    @jax.jit
+    @partial(jax.shard_map, mesh=mesh8, in_specs=(specs,), out_specs=(P(), P()))
+    def gather(shards):
+        return (
+            jaxsync.bucket_all_gather(shards, layout, axis_name="data"),
+            jaxsync.bucket_all_gather(shards, layout, axis_name="data", dtype=jnp.bfloat16),
+        )
+
+    placed = [
+        jax.device_put(x, NamedSharding(mesh8, s)) for x, s in zip(shards, specs, strict=True)
+    ]
+    got, got_bf16 = gather(tuple(placed))
+    for full, a, b in zip(fulls, got, got_bf16, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), full)
+        assert b.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(np.asarray(b), full.astype(jnp.bfloat16))
+    jax.tree.map(np.testing.assert_array_equal, layout.unflatten(got), params)
+
+
+def test_value_and_grad_with_aux_gives_local_values(mesh8):
+    """Outside deterministic mode, has_aux=True returns each device's own loss, its aux
+    unchanged and jax.grad's gradients of its rows: nothing reduced."""
+    params = mlp_params(jax.random.PRNGKey(0))
+    xs, ys = make_batches(jax.random.PRNGKey(1), 1, GLOBAL_BATCH)
+
+    def with_aux(p, batch):
+        loss = mlp_loss(p, batch)
+        return loss, {"y_sum": jnp.sum(batch[1], axis=1), "twice": 2 * loss}
+
+    @jax.jit
+    @partial(jax.shard_map, mesh=mesh8, in_specs=(P(), P("data")), out_specs=P("data"))
+    def local(params, batch):
+        vg = jaxsync.value_and_grad(with_aux, axis_name="data", has_aux=True)
+        return jax.tree.map(lambda x: x[None], vg(params, batch))
+
+    out = local(params, jaxsync.shard_batch((xs[0], ys[0]), mesh8))
+    (loss, aux), grads = jax.tree.map(np.asarray, out)
+    ref = jax.jit(jax.value_and_grad(with_aux, has_aux=True))
+    rows = GLOBAL_BATCH // 8
+    for r in range(8):
+        mine = (xs[0][r * rows : (r + 1) * rows], ys[0][r * rows : (r + 1) * rows])
+        (want_loss, want_aux), want = ref(params, mine)
+        np.testing.assert_allclose(loss[r], want_loss, rtol=1e-6)
+        np.testing.assert_array_equal(aux["y_sum"][r], want_aux["y_sum"])
+        np.testing.assert_allclose(aux["twice"][r], want_aux["twice"], rtol=1e-6)
+        jax.tree.map(
+            lambda g, w, r=r: np.testing.assert_allclose(g[r], w, rtol=1e-5, atol=1e-7),
+            grads, want,
+        )  # fmt: skip
+    assert len(np.unique(loss)) == 8  # per device, not averaged
