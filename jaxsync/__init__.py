@@ -69,6 +69,8 @@ from jaxsync._src.step.nnx_bridge import scan_layers as scan_layers
 from jaxsync._src.step.skips import AlwaysSkippedWarning as AlwaysSkippedWarning
 from jaxsync._src.step.step import TrainStep as TrainStep
 from jaxsync._src.step.train_state import TrainState as TrainState
+from jaxsync._src.step.weighted import WeightedLoss as WeightedLoss
+from jaxsync._src.step.weighted import weighted_loss as weighted_loss
 from jaxsync._src.sync.collectives import bucket_all_gather as bucket_all_gather
 from jaxsync._src.sync.collectives import bucket_all_reduce as bucket_all_reduce
 from jaxsync._src.sync.collectives import bucket_reduce_scatter as bucket_reduce_scatter
@@ -140,6 +142,7 @@ __all__ = [
     "TrainState",
     "TrainStep",
     "UnitGrads",
+    "WeightedLoss",
     "Buffer",
     "BufferKey",
     "Layout",
@@ -175,5 +178,6 @@ __all__ = [
     "tap",
     "train_step",
     "value_and_grad",
+    "weighted_loss",
     "with_offloaded_state",
 ]

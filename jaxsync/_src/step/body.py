@@ -33,7 +33,7 @@ def per_device(cfg: Any, plan: Plan, state: TrainState, batch: Any) -> tuple[Tra
 
 
 def grads_of(cfg: Any, plan: Plan, state: TrainState, batch: Any, sync: Any) -> tuple[Any, Any]:
-    loss = loss_of(cfg, plan, state)
+    loss = loss_of(cfg, plan, state, batch)
     det = deterministic_of(cfg.mode)
     rules = None if sync is not None else getattr(cfg.mode, "rules", None)
     if cfg.microbatches == 1:
@@ -85,7 +85,7 @@ def ddp_body(cfg: Any, plan: Plan, state: TrainState, batch: Any) -> tuple[Train
 
 def fsdp_body(cfg: Any, plan: Plan, state: TrainState, batch: Any) -> tuple[TrainState, Any]:
     fs = plan.fs
-    loss = loss_of(cfg, plan, state)
+    loss = loss_of(cfg, plan, state, batch)
     (loss, rest), grads = fs.value_and_grad(
         lambda shards, b: loss(fs.view(shards), b),
         state.params,

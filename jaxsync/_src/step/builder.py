@@ -21,6 +21,7 @@ from ..optim.loss_scale import LossScale, check_loss_scale
 from .checks import labeled_tx
 from .modes import Mode, deterministic_of, mode_of
 from .step import TrainStep
+from .weighted import WeightedLoss
 
 
 def train_step(
@@ -50,7 +51,9 @@ def train_step(
 
     Args:
       loss_fn: ``loss_fn(params, batch) -> scalar`` (the mean over the rows it is
-        given), or ``loss_fn(model, batch)`` when ``init`` gets an ``nnx.Module``.
+        given), or ``loss_fn(model, batch)`` when ``init`` gets an ``nnx.Module``. For a
+        loss whose rows weigh differently (padded tokens), a
+        :func:`jaxsync.weighted_loss`: the step then divides by the global weight.
       tx: any optax optimizer; ZeRO and FSDP need an elementwise one (checked at
         ``init``). Do not put ``optax.clip_by_global_norm`` in it: pass
         ``clip_grad_norm``, which clips by the true global norm in every mode.
@@ -107,6 +110,11 @@ def train_step(
     check_loss_scale(loss_scale)
     check_bool(donate, "donate")
     det = deterministic_of(mode)
+    if det is not None and isinstance(loss_fn, WeightedLoss):
+        raise ValueError(
+            "`deterministic` sums each unit's mean loss exactly and does not take a "
+            "jaxsync.weighted_loss; give every row the same weight, or drop `deterministic`."
+        )
     if det is not None and (microbatches > 1 or stacked):
         what = f"microbatches={microbatches}" if microbatches > 1 else "`stacked`"
         fix = (

@@ -20,6 +20,7 @@ from ..sync.views import is_view, trace_views
 from .modes import deterministic_of
 from .nnx_bridge import ModelDef
 from .train_state import GuardState, TrainState, guarded_update
+from .weighted import weight_factor
 
 PyTree = Any
 
@@ -37,19 +38,25 @@ class Plan:
     dims: Any = None  # a two_d.plan.SpecLayout when params are sharded over other axes
 
 
-def loss_of(cfg: Any, plan: Plan, state: TrainState) -> Callable[[Any, Any], Any]:
-    """``(params view, batch) -> (scaled local loss, model state after the call)``,
-    merging an NNX module if any (the model state of a pytree loss is ``{}``)."""
+def loss_of(
+    cfg: Any, plan: Plan, state: TrainState, batch: Any
+) -> Callable[[Any, Any], Any]:
+    """``(params view, microbatch) -> (scaled local loss, model state after the call)``,
+    merging an NNX module if any (the model state of a pytree loss is ``{}``).
+    ``batch`` is this device's rows (all microbatches): a :func:`jaxsync.weighted_loss`
+    is normalized by the weight of the global batch they are part of."""
     scale = state.loss_scale.scale
+    factor = weight_factor(cfg.loss_fn, batch, cfg.axis_name, cfg.microbatches)
+    fn = cfg.loss_fn if factor is None else cfg.loss_fn.sum_fn
 
     def loss(params: Any, batch: Any) -> tuple[jax.Array, Any]:
         with trace_views():
             if plan.model is None:
-                out, rest = cfg.loss_fn(params, batch), state.model_state
+                out, rest = fn(params, batch), state.model_state
             else:
                 plain, views = split_views(params, cfg.stacked, plan.template)
                 model = plan.model.merge(plain, state.model_state, views)
-                out = cfg.loss_fn(model, batch)
+                out = fn(model, batch)
                 rest = model_state_of(model)
         if not hasattr(out, "shape") or out.shape != ():
             raise ValueError(
@@ -58,6 +65,8 @@ def loss_of(cfg: Any, plan: Plan, state: TrainState) -> Callable[[Any, Any], Any
                 "it with jnp.mean; return aux values through the model or params instead."
             )
         check_loss(out, cfg.axis_name, cfg.mode.name, "jaxsync.train_step")
+        if factor is not None:
+            out = out * factor.astype(out.dtype)
         return out * scale.astype(out.dtype), rest
 
     return loss

@@ -57,7 +57,7 @@ def spec_body(cfg: Any, plan: Any, state: TrainState, batch: Any) -> tuple[Train
         fsdp=fsdp,
         wide_sums=cfg.mesh.devices.flat[0].platform == "cpu",
     )  # fmt: skip
-    loss = loss_of(cfg, plan, state)
+    loss = loss_of(cfg, plan, state, batch)
     plans = layout.leaves()
     treedef = jax.tree.structure(layout.plans, is_leaf=lambda x: isinstance(x, DimPlan))
     names = [p.name for p in plans]
