@@ -280,3 +280,19 @@ def test_a_constant_loss_scale_that_always_overflows_is_named_once(mesh8):
             state, _ = fine(state, batch())
             jax.block_until_ready(state)
     assert int(state.step) == 10
+
+
+def test_multi_steps_inside_tx_points_to_microbatches(mesh8):
+    """optax.MultiSteps works inside `tx` but syncs every microbatch: say so."""
+    import warnings
+
+    from jaxsync._src.step.builder import MultiStepsWarning
+
+    for tx in (optax.MultiSteps(optax.sgd(0.1), 4), optax.MultiSteps(optax.sgd(0.1), 4)
+               .gradient_transformation(), {"a": optax.MultiSteps(optax.sgd(0.1), 4)}):  # fmt: skip
+        labels = None if not isinstance(tx, dict) else (lambda p: jax.tree.map(lambda _: "a", p))
+        with pytest.warns(MultiStepsWarning, match=r"`microbatches=4`"):
+            jaxsync.train_step(stacked_loss, tx, mesh8, "ddp", labels=labels)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", MultiStepsWarning)
+        jaxsync.train_step(stacked_loss, optax.sgd(0.1), mesh8, microbatches=4)

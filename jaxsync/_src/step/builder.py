@@ -7,6 +7,7 @@ an error that names it, before anything is traced.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -123,6 +124,7 @@ def train_step(
             "drop `stacked`"
         )  # fmt: skip
         raise ValueError(f"`deterministic` does not support {what}; {fix}.")
+    _warn_multi_steps(tx, microbatches)
     if labels is not None and mode.name == "ddp":  # a replicated optimizer: optax's own way
         tx = labeled_tx(tx, labels, normalize_stacked(stacked))
     return TrainStep(
@@ -138,6 +140,30 @@ def train_step(
         donate=donate,
         labels=labels if mode.name in ("zero", "fsdp") else None,
     )
+
+
+MULTI_STEPS = (
+    "jaxsync.train_step: `tx` holds optax.MultiSteps, which accumulates gradients after "
+    "the step has synced them: every call communicates a whole gradient. Pass "
+    "`microbatches={k}` instead (and a batch {k} times as large): the step accumulates "
+    "locally and syncs once."
+)
+
+
+class MultiStepsWarning(UserWarning):
+    """``optax.MultiSteps`` inside a step's ``tx`` syncs every microbatch."""
+
+
+def _warn_multi_steps(tx: Any, microbatches: int) -> None:
+    for t in tx.values() if isinstance(tx, Mapping) else (tx,):
+        found = t if isinstance(t, optax.MultiSteps) else getattr(t.update, "__self__", None)
+        if isinstance(found, optax.MultiSteps):
+            try:  # the k it was built with, when it is a constant
+                k = int(found._every_k_schedule(0))
+            except Exception:
+                k = "k"
+            warnings.warn(MULTI_STEPS.format(k=k), MultiStepsWarning, stacklevel=3)
+            return
 
 
 def _is_tx(tx: Any) -> bool:
