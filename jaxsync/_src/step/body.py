@@ -19,7 +19,7 @@ from ..fsdp.grad import split_microbatches
 from ..sync.grad_sync import accumulate_grads, all_reduce_grads, value_and_grad
 from ..sync.scan_sync import DataParallel
 from .modes import deterministic_of
-from .parts import Plan, finish, loss_of, mean_loss, settle, unscale
+from .parts import Plan, finish, loss_of, outputs, settle, unscale
 from .train_state import TrainState, global_stats, padding_of
 from .two_d.body import spec_body
 
@@ -57,9 +57,9 @@ def zero_body(cfg: Any, plan: Plan, state: TrainState, batch: Any) -> tuple[Trai
         step=state.step + finite.astype(jnp.int32),
         params=params,
         opt_state=opt_state,
-        model_state=settle(rest, state.model_state, finite),
+        model_state=settle(rest.model_state, state.model_state, finite),
     )
-    return new, mean_loss(cfg, loss, state)
+    return new, outputs(cfg, loss, rest, state)
 
 
 def ddp_body(cfg: Any, plan: Plan, state: TrainState, batch: Any) -> tuple[TrainState, Any]:

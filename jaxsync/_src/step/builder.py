@@ -38,6 +38,7 @@ def train_step(
     loss_scale: LossScale = None,
     donate: bool = True,
     labels: Any = None,
+    has_aux: bool = False,
     **mode_options: Any,
 ) -> TrainStep:
     """Builds a jitted data-parallel training step: DDP, ZeRO or FSDP.
@@ -83,6 +84,10 @@ def train_step(
         optax optimizer``, in every mode: e.g. weight decay on matrices only,
         without ``adamw(mask=...)``, which ZeRO and FSDP cannot run on flat shards
         (each label's params get flat buffers, FSDP: pieces of each unit, of their own).
+      has_aux: ``loss_fn`` returns ``(loss, aux)``, as for ``jax.value_and_grad``; the
+        step then returns ``(state, (loss, aux))``, ``aux``'s floats averaged over the
+        data-parallel devices and its integers summed (with microbatches, the last
+        microbatch's aux).
       **mode_options: the keywords this function took before modes were values
         (``bucket_size``, ``reduce_dtype``, ``rules``, ``deterministic``, ``units``,
         ``policy``, ``reshard_after_forward``), still accepted beside a string
@@ -110,6 +115,7 @@ def train_step(
         raise ValueError(f"`microbatches` must be a positive int, got {microbatches!r}.")
     check_loss_scale(loss_scale)
     check_bool(donate, "donate")
+    check_bool(has_aux, "has_aux")
     det = deterministic_of(mode)
     if det is not None and isinstance(loss_fn, WeightedLoss):
         raise ValueError(
@@ -139,6 +145,7 @@ def train_step(
         loss_scale=loss_scale,
         donate=donate,
         labels=labels if mode.name in ("zero", "fsdp") else None,
+        has_aux=has_aux,
     )
 
 

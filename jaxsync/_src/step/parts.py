@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from ..core.axes import varying_axes
+from ..core.axes import to_varying, varying_axes
 from ..core.validate import check_loss
 from ..sync.views import is_view, trace_views
 from .modes import deterministic_of
@@ -38,6 +38,15 @@ class Plan:
     dims: Any = None  # a two_d.plan.SpecLayout when params are sharded over other axes
 
 
+class LossAux(NamedTuple):
+    """What the loss returns beside its value: the model state after the call, and
+    the user's aux (``has_aux=True``; None otherwise). Every gradient path carries
+    it as one aux, the last microbatch's."""
+
+    model_state: Any
+    user: Any
+
+
 def loss_of(
     cfg: Any, plan: Plan, state: TrainState, batch: Any
 ) -> Callable[[Any, Any], Any]:
@@ -58,16 +67,25 @@ def loss_of(
                 model = plan.model.merge(plain, state.model_state, views)
                 out = fn(model, batch)
                 rest = model_state_of(model)
+        user = None
+        if cfg.has_aux:
+            if not (isinstance(out, tuple) and len(out) == 2):
+                raise ValueError(
+                    f"with `has_aux=True`, `loss_fn` must return `(loss, aux)`, got "
+                    f"{type(out).__name__}."
+                )
+            out, user = out
         if not hasattr(out, "shape") or out.shape != ():
             raise ValueError(
                 f"`loss_fn` must return a scalar loss (the mean over this device's rows), "
                 f"got {type(out).__name__} of shape {getattr(out, 'shape', None)}. Reduce "
-                "it with jnp.mean; return aux values through the model or params instead."
+                "it with jnp.mean; return other values as `(loss, aux)` with "
+                "`train_step(..., has_aux=True)`."
             )
         check_loss(out, cfg.axis_name, cfg.mode.name, "jaxsync.train_step")
         if factor is not None:
             out = out * factor.astype(out.dtype)
-        return out * scale.astype(out.dtype), rest
+        return out * scale.astype(out.dtype), LossAux(rest, user)
 
     return loss
 
@@ -89,9 +107,28 @@ def finish(
     )  # fmt: skip
     new = TrainState(
         state.step + finite.astype(jnp.int32), params, opt_state,
-        settle(rest, state.model_state, finite), GuardState(scale, metrics),
+        settle(rest.model_state, state.model_state, finite), GuardState(scale, metrics),
     )  # fmt: skip
-    return new, mean_loss(cfg, loss, state)
+    return new, outputs(cfg, loss, rest, state)
+
+
+def outputs(cfg: Any, loss: jax.Array, rest: LossAux, state: TrainState) -> Any:
+    """The step's second output: the mean loss, and with ``has_aux`` the user's aux
+    (floats averaged over the data devices, integers summed: counts add up)."""
+    mean = mean_loss(cfg, loss, state)
+    if not cfg.has_aux:
+        return mean
+
+    axes = cfg.axis_name
+
+    def reduce(x: Any) -> Any:
+        # Each device's own value (a constant too: every device counts its own rows).
+        x = to_varying(jnp.asarray(x), axes)
+        if jnp.issubdtype(x.dtype, jnp.integer) or x.dtype == jnp.bool_:
+            return jax.lax.psum(x.astype(jnp.int32), axes)
+        return jax.lax.pmean(x, axes)
+
+    return mean, jax.tree.map(reduce, rest.user)
 
 
 def model_state_of(model: Any) -> Any:

@@ -80,6 +80,7 @@ class TrainStep:
     loss_scale: LossScale
     donate: bool
     labels: Any
+    has_aux: bool = False
     _plans: dict[Any, Plan] = dataclasses.field(default_factory=dict, repr=False)
     _stepped: list[bool] = dataclasses.field(default_factory=list, repr=False)
 
