@@ -39,7 +39,7 @@ from ..optim.loss_scale import LossScale, init_loss_scale
 from ..optim.optimizer import distributed_optimizer
 from ..optim.portable import signature
 from ..optim.state import initial_metrics
-from . import handed, skips
+from . import handed, linen, skips
 from .body import per_device
 from .checks import (
     check_deterministic_state,
@@ -144,6 +144,8 @@ class TrainStep:
             params = merge_split(params, nnx_states)
         if is_module(params):
             model, params, rest = split_model(params)
+        else:  # a pytree: linen's nn.with_partitioning boxes become placements
+            params = linen.unbox(params, self.mesh, self.axis_name)
         leaves = jax.tree_util.tree_flatten_with_path(params)[0]
         bad = [param_name(p) for p, x in leaves if not hasattr(x, "dtype")]
         if not leaves or bad:
