@@ -46,10 +46,10 @@ MAPPING_TX = (
     "and pass `opt` here and use `opt.update` in the step."
 )
 WHOLE_MATRICES_IN_FSDP = (
-    "{fn}: labels {labels} are routed to `jaxsync.whole_matrices`, which needs each matrix "
+    "{fn}: {what} routed to `jaxsync.whole_matrices`, which needs each matrix "
     "whole on one rank; FSDP runs every optimizer on flat shards. Use mode='zero' "
     "(`jaxsync.distributed_optimizer`) for whole-matrix optimizers, or an elementwise "
-    "optimizer for those labels."
+    "optimizer instead."
 )
 
 
@@ -112,7 +112,7 @@ def multi_transform(
         raise TypeError(f"{fn}: `transforms` must map labels to optax optimizers; got {bad}.")
     owned = sorted(k for k, v in transforms.items() if isinstance(v, WholeMatrices))
     if owned:
-        raise ValueError(WHOLE_MATRICES_IN_FSDP.format(fn=fn, labels=owned))
+        raise ValueError(WHOLE_MATRICES_IN_FSDP.format(fn=fn, what=f"labels {owned} are"))
     for name, lab in zip(fs.param_names, fs.labels, strict=True):
         if lab not in transforms:
             keys = sorted(transforms)
@@ -180,6 +180,8 @@ def init_optimizer(
         raise TypeError(MAPPING_TX.format(fn=fn, keys=sorted(tx)))
     if not hasattr(tx, "init") or not hasattr(tx, "update"):
         raise TypeError(f"`tx` must be an optax GradientTransformation, got {tx!r}.")
+    if isinstance(tx, WholeMatrices):  # refused whatever `check`: it declares whole matrices
+        raise ValueError(WHOLE_MATRICES_IN_FSDP.format(fn=fn, what="`tx` is"))
     if check:
         probe(fs, tx)
     missing = sorted(set(fs.units) - set(shards)) if isinstance(shards, dict) else None
