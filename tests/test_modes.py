@@ -63,6 +63,8 @@ def test_mode_values_are_frozen_and_checked_at_construction():
         jaxsync.FSDP(policy=jnp.bfloat16)
     with pytest.raises(TypeError, match="`FSDP.reshard_after_forward` must be True or False"):
         jaxsync.FSDP(reshard_after_forward="no")
+    with pytest.raises(ValueError, match=r"DDP: `deterministic` sums exactly.*bfloat16"):
+        jaxsync.DDP(deterministic=True, reduce_dtype=jnp.bfloat16)  # it was ignored silently
     with pytest.raises(ValueError, match="ZeRO: `deterministic` supports plain data"):
         jaxsync.ZeRO(rules=jaxsync.SyncRules.of({}), deterministic=True)
 

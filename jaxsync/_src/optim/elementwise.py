@@ -57,8 +57,9 @@ NOT_ELEMENTWISE = (
     "`train_step` always probes)."
 )
 MUON_ON_SHARDS = (
-    "the optimizer for {what} is optax.contrib.muon, which orthogonalizes whole matrices "
-    "(and runs Adam on the rest by its own dimension numbers): flat shards cut them apart "
+    "the optimizer for {what} is optax.contrib.muon, which is not elementwise: it "
+    "orthogonalizes whole matrices (and runs Adam on the rest by its own dimension "
+    "numbers), which flat shards cut apart "
     "({detail}). Route the params by label instead, and drop "
     "`muon_weight_dimension_numbers` (the labels say which params are matrices):\n"
     "    tx = {{'muon': jaxsync.whole_matrices(optax.contrib.muon(lr)), "

@@ -43,6 +43,13 @@ class _Bucketed:
         check_rules(self.rules)
         det = check_deterministic(self.deterministic, f"{type(self).__name__}.deterministic")
         object.__setattr__(self, "deterministic", det)
+        fp32 = self.reduce_dtype is None or jnp.dtype(self.reduce_dtype) == jnp.float32
+        if det is not None and not fp32:
+            raise ValueError(
+                f"{type(self).__name__}: `deterministic` sums exactly in fixed point and hands "
+                f"fp32 on; `reduce_dtype={jnp.dtype(self.reduce_dtype).name}` would be ignored. "
+                "Drop `reduce_dtype`, or drop `deterministic`."
+            )
         if det is not None and self.rules is not None:
             raise ValueError(
                 f"{type(self).__name__}: `deterministic` supports plain data parallelism only; "
