@@ -52,7 +52,8 @@ def mesh8():
 LONGEST_FIRST = (
     "test_layerwise.py", "test_two_d_checkpoint.py", "test_multiprocess.py",
     "test_deterministic.py", "test_fsdp_labels.py", "test_trainer.py", "test_finalize.py",
-    "test_fsdp.py", "test_two_d.py", "test_two_d_moe.py", "test_deterministic_state.py",
+    "test_fsdp.py", "test_limits.py", "test_two_d.py", "test_two_d_moe.py", "test_hang.py",
+    "test_grad_scale.py", "test_deterministic_state.py",
 )  # fmt: skip
 
 
