@@ -18,24 +18,29 @@ from typing import Any
 _DEPTH = 16
 
 
-def factories(tx: Any) -> frozenset[str]:
-    """Names of the optax factories whose functions ``tx`` closes over, e.g.
-    ``{"chain", "clip_by_global_norm", "scale_by_adam", ...}``."""
+def functions(tx: Any) -> list[Any]:
+    """Every Python function ``tx`` reaches through closures, defaults, partials,
+    containers, bound methods' objects and the ``init``/``update`` of transformations
+    it holds; other callables reached are listed as they are (opaque)."""
     seen: set[int] = set()
-    names: set[str] = set()
+    found: list[types.FunctionType] = []
 
     def walk(obj: Any, depth: int) -> None:
         if depth > _DEPTH or id(obj) in seen:
             return
         seen.add(id(obj))
         if isinstance(obj, types.FunctionType):
-            if "<locals>" in obj.__qualname__:
-                names.add(obj.__qualname__.split(".<locals>")[0].rsplit(".", 1)[-1])
+            found.append(obj)
             for cell in obj.__closure__ or ():
                 with contextlib.suppress(ValueError):  # an empty cell
                     walk(cell.cell_contents, depth + 1)
             for default in obj.__defaults__ or ():
                 walk(default, depth + 1)
+        elif isinstance(obj, types.MethodType):
+            found.append(obj.__func__)
+            walk(obj.__self__, depth + 1)
+            for x in getattr(obj.__self__, "__dict__", {}).values():  # e.g. MultiSteps' inner
+                walk(x, depth + 1)
         elif isinstance(obj, functools.partial):
             for x in (obj.func, *obj.args, *obj.keywords.values()):
                 walk(x, depth + 1)
@@ -48,9 +53,24 @@ def factories(tx: Any) -> frozenset[str]:
         elif hasattr(obj, "init") and hasattr(obj, "update"):
             walk(obj.init, depth + 1)
             walk(obj.update, depth + 1)
+        elif callable(obj) and not isinstance(obj, type):
+            found.append(obj)  # an object we cannot see into: its caller decides
 
     walk(tx, 0)
-    return frozenset(names)
+    return found
+
+
+def factory_of(fn: Any) -> str | None:
+    """``clip_by_global_norm`` for ``clip_by_global_norm.<locals>.update_fn``."""
+    if "<locals>" not in getattr(fn, "__qualname__", ""):
+        return None
+    return fn.__qualname__.split(".<locals>")[0].rsplit(".", 1)[-1]
+
+
+def factories(tx: Any) -> frozenset[str]:
+    """Names of the optax factories whose functions ``tx`` closes over, e.g.
+    ``{"chain", "clip_by_global_norm", "scale_by_adam", ...}``."""
+    return frozenset(f for fn in functions(tx) if (f := factory_of(fn)) is not None)
 
 
 def is_muon(tx: Any) -> bool:
