@@ -114,12 +114,19 @@ class Plan:
                 )
             by_path[name] = (lab, sync, tuple(sorted(var)), param_name(path))
 
+        muons: dict[Any, bool] = {}  # closures read once per label, not once per param
+
+        def muon_label(lab: Any) -> bool:
+            if lab not in muons:
+                muons[lab] = is_muon(self.transform_of(lab))
+            return muons[lab]
+
         def key_fn(path: str, leaf: Any) -> BufferKey:
             lab, sync, var, dotted = by_path[path]
             owned = self.owned_cost(lab)
             if owned is not None and var:
                 raise ValueError(OWNED_VARYING.format(path=path, shape=leaf.shape, axes=var))
-            if owned is not None and is_muon(self.transform_of(lab)):
+            if owned is not None and muon_label(lab):
                 self._check_matrix(dotted, tuple(leaf.shape))
             return BufferKey(
                 jnp.dtype(leaf.dtype).name,

@@ -57,7 +57,6 @@ from .two_d.plan import make_state, project, spec_layout, spec_master, spec_para
 from .xla_options import step_compiler_options
 
 PyTree = Any
-MODES = ("ddp", "zero", "fsdp")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
