@@ -1,43 +1,58 @@
 """Reading XLA's latency-hiding schedule dump into a :class:`~jaxsync.ScheduleReport`.
 
 Loop bodies are priced once per iteration (nested trip counts multiplied), a
-``conditional`` at its dearest branch, and computations the scheduler skipped at
-the roofline of the target GPU (:mod:`roofline`).
+``conditional`` at its dearest branch. Computations the scheduler skipped are
+priced from the pricing twin's dump (:mod:`twin`), where XLA scheduled the same
+kernels; what the twin does not hold falls back to the roofline of the target GPU
+(:mod:`roofline`), and the report says how much.
 """
 
 from __future__ import annotations
 
 import re
+from collections import Counter
 from typing import Any
 
 from .roofline import compute_times, dot_flops, is_compute, roofline, shape_bytes
 from .target import GpuSpec
 from .textproto import Message, parse
 from .timings import CollectiveTiming, ComputationTiming, Hotspot, ScheduleReport
+from .twin import PROBE
 
 _KINDS = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all", "collective-permute")
 _HOTSPOTS = 25
 _TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
+
+
 # ----------------------------------------------------------------------- reading
-def read_schedule(text: str, memory: Any, gpu: GpuSpec) -> ScheduleReport:
-    """The report from a ``*.schedule.txt`` dump and ``compiled.memory_analysis()``."""
-    proto = parse(text)
-    module = proto.one("hlo_module")
-    comps = {c.one("id"): c for c in module.all("computations")}
-    by_name = {c.one("name"): c for c in comps.values()}
-    insts = {i.one("id"): i for c in comps.values() for i in c.all("instructions")}
-    scheds = {s.one("computation_id"): s for s in proto.all("computation_schedules")}
-    entry = by_name[module.one("entry_computation_name")]
-    runs: dict[int, int] = {}
-    _count_runs(entry, 1, comps, insts, runs)
+def read_schedule(
+    text: str, memory: Any, gpu: GpuSpec, twin_text: str | None = None
+) -> ScheduleReport:
+    """The report from a ``*.schedule.txt`` dump and ``compiled.memory_analysis()``.
+
+    ``twin_text``: the dump of the program's pricing twin (:mod:`twin`); it prices
+    the computations the scheduler skipped here. Without it, or for a kernel the
+    twin does not hold, the scaled roofline does.
+    """
+    prog = _Program(text)
+    twin = _Twin(_Program(twin_text)) if twin_text else None
     timings, colls, skipped, hot = [], [], [], []
     step = 0.0
     exposed: dict[str, float] = {}
     busy_sum, roof_sum = [0.0, 0.0], [0.0, 0.0]  # per class: [matmuls, the rest]
-    for cid, n in runs.items():
-        comp, sched = comps[cid], scheds.get(cid)
+    for cid, n in prog.runs.items():
+        comp, sched = prog.comps[cid], prog.scheds.get(cid)
         if sched is None:
             skipped.append((comp, n))
+            continue
+        if any(is_probe(prog.insts[e.one("id")]) for e in sched.all("instructions")):
+            # The twin read alone (XLA scheduled nothing of the program itself): its
+            # computations hold no collective of the program's, only the probe's.
+            _, price, gaps = probe_free(sched, prog)
+            own = sum(price.values())
+            step += own * n
+            hot += [h for h in _hotspots(comp, sched, prog.insts, n) if PROBE not in h.op_name]
+            timings.append(ComputationTiming(comp.one("name"), n, own, "xla", {}, own + gaps))
             continue
         stats = sched.one("scheduler_statistics", Message())
         per_us = float(sched.one("cycles_per_microsecond", 1))
@@ -47,30 +62,34 @@ def read_schedule(text: str, memory: Any, gpu: GpuSpec) -> ScheduleReport:
             for k, v in stats.items()
             if k.endswith("_wasted_cycles") and k != "total_wasted_cycles" and v[-1]
         }  # fmt: skip
-        colls += _collectives(comp, sched, comps, insts, n)
-        hot += _hotspots(comp, sched, insts, n)
-        for cls, (busy, roof) in enumerate(compute_times(comp, sched, comps, insts, gpu)):
+        colls += _collectives(comp, sched, prog.comps, prog.insts, n)
+        hot += _hotspots(comp, sched, prog.insts, n)
+        for cls, (busy, roof) in enumerate(compute_times(comp, sched, prog.comps, prog.insts, gpu)):
             busy_sum[cls] += busy
             roof_sum[cls] += roof
         step += own * n
         for k, v in waste.items():
             exposed[k] = exposed.get(k, 0.0) + v
-        span = max((e.one("end_timestamp_cycles", 0.0) for e in sched.all("instructions")),
-                   default=0.0) / per_us  # fmt: skip
-        timings.append(ComputationTiming(comp.one("name"), n, own, "xla", waste, span))
-    # Skipped computations: the roofline, scaled per kernel class (matmuls, the
-    # rest) by what XLA's model charges over the roofline for the same class in
-    # the scheduled ones (launch costs, efficiency); 1 where a class is unseen.
+        timings.append(ComputationTiming(comp.one("name"), n, own, "xla", waste, _span(sched)))
+    # Skipped computations: the twin's price where it holds the same kernels; else
+    # the roofline, scaled per kernel class (matmuls, the rest) by what XLA's model
+    # charges over the roofline for the same class in the scheduled ones (launch
+    # costs, efficiency); 1 where a class is unseen.
     scale = tuple(b / r if r > 0 else 1.0 for b, r in zip(busy_sum, roof_sum, strict=True))
-    priced = 0.0
+    by_roofline = 0.0
     for comp, n in skipped:
-        own = 0.0
-        for inst in comp.all("instructions"):
-            flops = dot_flops(inst, comps, insts)
-            own += scale[0 if flops else 1] * roofline(inst, comps, insts, gpu)
-        priced += own * n
-        timings.append(ComputationTiming(comp.one("name"), n, own, "roofline", {}, own))
-    step += priced
+        own, span, rest = twin.price(comp, prog) if twin else (0.0, 0.0, comp.all("instructions"))
+        if twin and not rest:
+            hot += twin.hotspots(comp, prog, n)
+        roof = sum(
+            scale[0 if dot_flops(i, prog.comps, prog.insts) else 1]
+            * roofline(i, prog.comps, prog.insts, gpu)
+            for i in rest
+        )  # fmt: skip
+        by_roofline += roof * n
+        source = "roofline" if roof and not own else ("xla+roofline" if roof else "xla")
+        step += (own + roof) * n
+        timings.append(ComputationTiming(comp.one("name"), n, own + roof, source, {}, span + roof))
     mem = {
         "arguments": memory.argument_size_in_bytes,
         "outputs": memory.output_size_in_bytes,
@@ -79,10 +98,138 @@ def read_schedule(text: str, memory: Any, gpu: GpuSpec) -> ScheduleReport:
     }
     mem["peak"] = mem["arguments"] + mem["outputs"] - mem["aliased"] + mem["temps"]
     return ScheduleReport(
-        step_us=step, roofline_us=priced, roofline_scale=scale, exposed_us=exposed,
+        step_us=step, roofline_us=by_roofline, roofline_scale=scale, exposed_us=exposed,
         computations=tuple(timings), collectives=tuple(colls), memory=mem, device=gpu.name,
         hotspots=tuple(sorted(hot, key=lambda h: -h.total_us)[:_HOTSPOTS]),
     )  # fmt: skip
+
+
+def skipped_computations(text: str) -> int:
+    """How many computations of a dump run in the step without a schedule."""
+    prog = _Program(text)
+    return sum(cid not in prog.scheds for cid in prog.runs)
+
+
+class _Program:
+    """A parsed schedule dump: computations, instructions, schedules, runs per step."""
+
+    def __init__(self, text: str):
+        proto = parse(text)
+        module = proto.one("hlo_module")
+        self.comps = {c.one("id"): c for c in module.all("computations")}
+        by_name = {c.one("name"): c for c in self.comps.values()}
+        self.insts = {i.one("id"): i for c in self.comps.values() for i in c.all("instructions")}
+        self.scheds = {s.one("computation_id"): s for s in proto.all("computation_schedules")}
+        self.runs: dict[int, int] = {}
+        entry = by_name[module.one("entry_computation_name")]
+        _count_runs(entry, 1, self.comps, self.insts, self.runs)
+
+
+class _Twin:
+    """Prices from the pricing twin's schedule, its probe's own instructions left out.
+
+    A skipped computation takes the price of the twin computation holding the same
+    kernels (compared by opcode, shape and ``op_name``; kernels the twin adds, such
+    as a copy of the loop counter, are not charged); failing that, each kernel the
+    price of the same kernel anywhere in the twin.
+    """
+
+    def __init__(self, prog: _Program):
+        self.prog = prog
+        self.comps: list[tuple[Counter, dict, float, Message, Message]] = []
+        self.kernel: dict[tuple, float] = {}
+        for cid, sched in prog.scheds.items():
+            kernels, price, gaps = probe_free(sched, prog)
+            for key, us in price.items():
+                self.kernel.setdefault(key, us / kernels[key])
+            self.comps.append((kernels, price, gaps, prog.comps[cid], sched))
+
+    def _match(self, comp: Message):
+        want = Counter(_kernel_key(i) for i in comp.all("instructions")
+                       if is_compute(i.one("opcode")))  # fmt: skip
+        fits = [c for c in self.comps if not want - c[0]]
+        return (
+            (min(fits, key=lambda c: sum((c[0] - want).values())), want) if fits else (None, want)
+        )
+
+    def price(self, comp: Message, prog: _Program) -> tuple[float, float, list[Message]]:
+        """(XLA-priced time, its timeline span, the kernels the twin does not hold)."""
+        found, want = self._match(comp)
+        if found is not None:
+            kernels, price, gaps, _, _ = found
+            own = sum(price[k] / kernels[k] * n for k, n in want.items())
+            return own, own + gaps, []
+        own, rest = 0.0, []
+        for inst in comp.all("instructions"):
+            if not is_compute(inst.one("opcode")):
+                continue
+            us = self.kernel.get(_kernel_key(inst))
+            if us is None:
+                rest.append(inst)
+            else:
+                own += us
+        return own, own, rest
+
+    def hotspots(self, comp: Message, prog: _Program, n: int) -> list[Hotspot]:
+        found, want = self._match(comp)
+        if found is None:
+            return []
+        return [h for h in _hotspots(found[3], found[4], self.prog.insts, n)
+                if PROBE not in h.op_name]  # fmt: skip
+
+
+def probe_free(sched: Message, prog: _Program) -> tuple[Counter, dict[tuple, float], float]:
+    """A twin computation's own kernels (counted by key), their summed price, and the
+    timeline's gaps between its own instructions; the probe's instructions and the
+    time they sit in those gaps are left out."""
+    per_us = float(sched.one("cycles_per_microsecond", 1))
+    times = [
+        (e.one("start_timestamp_cycles", 0.0) / per_us, e.one("end_timestamp_cycles", 0.0) / per_us,
+         prog.insts[e.one("id")])
+        for e in sched.all("instructions")
+    ]  # fmt: skip
+    own = [(a, b) for a, b, i in times if not is_probe(i)]
+    first, last = min(a for a, _ in own), max(b for _, b in own)
+    gaps = (
+        last
+        - first
+        - sum(b - a for a, b in own)
+        - sum(b - a for a, b, i in times if is_probe(i) and first <= a and b <= last)
+    )
+    kernels: Counter = Counter()
+    price: dict[tuple, float] = {}
+    for a, b, inst in times:
+        if is_probe(inst) or not is_compute(inst.one("opcode")):
+            continue
+        key = _kernel_key(inst)
+        kernels[key] += 1
+        price[key] = price.get(key, 0.0) + b - a
+    return kernels, price, max(gaps, 0.0)
+
+
+def is_probe(inst: Message) -> bool:
+    """An instruction of the pricing twin's probe (not of the program)."""
+    return PROBE in inst.one("metadata", Message()).one("op_name", "")
+
+
+def _kernel_key(inst: Message) -> tuple:
+    meta = inst.one("metadata", Message())
+    return (inst.one("opcode"), _shape_key(inst.one("shape")), meta.one("op_name", ""))
+
+
+def _shape_key(shape: Message | None) -> tuple:
+    if shape is None:
+        return ()
+    subs = shape.all("tuple_shapes")
+    if subs:
+        return tuple(_shape_key(s) for s in subs)
+    return (shape.one("element_type"), tuple(shape.all("dimensions")))
+
+
+def _span(sched: Message) -> float:
+    per_us = float(sched.one("cycles_per_microsecond", 1))
+    ends = (e.one("end_timestamp_cycles", 0.0) for e in sched.all("instructions"))
+    return max(ends, default=0.0) / per_us
 
 
 def _count_runs(comp: Message, n: int, comps, insts, runs: dict[int, int]) -> None:

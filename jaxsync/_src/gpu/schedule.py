@@ -11,12 +11,14 @@ dump on and turns it into one step's figures:
 - a loop body is priced once per iteration (its trip count, nested loops
   multiplied); an iteration XLA peeled out of a loop sits in the caller and is
   counted there, once. A ``conditional`` costs its dearest branch.
-- The scheduler skips computations with nothing asynchronous in them (on
-  jax 0.10.2, e.g. the forward loop body of a ZeRO step); those are priced here
-  with a roofline of the target GPU (each kernel at the larger of its FLOPs at
-  peak tensor throughput and its operand + result bytes at peak memory
-  bandwidth), reported apart as ``roofline_us`` so the reader sees how much of
-  the figure is XLA's model and how much ours.
+- The scheduler skips computations with nothing asynchronous in them (the forward
+  loop of a ZeRO step, a whole one-GPU program). Those are priced by XLA too:
+  :func:`schedule_report` compiles a *pricing twin* of the program (:mod:`twin`)
+  whose every loop body carries a tiny probe collective, so that the scheduler
+  prices the same kernels with the same cost model; the probe's own cost is left
+  out. Only a kernel the twin cannot price (a loop inside a region manual over
+  some mesh axes only) falls back to a roofline of the target GPU, and the report
+  keeps that share apart (``roofline_us``).
 
 These are models of a program, not measurements of a GPU.
 """
@@ -33,9 +35,10 @@ from typing import Any
 
 import jax
 
-from .read import read_schedule
+from .read import read_schedule, skipped_computations
 from .target import GPUS, GpuSpec
 from .timings import ScheduleReport
+from .twin import pricing_twin
 
 # Turn the latency-hiding scheduler on, price with the analytical estimator, dump.
 # Matmuls go to cuBLAS: without a GPU, XLA cannot autotune Triton gemm tiles and
@@ -75,6 +78,7 @@ def schedule_report(
     options: Mapping[str, Any] | None = None,
     gpu: GpuSpec | str | None = None,
     dump_dir: str | None = None,
+    twin: bool = True,
 ) -> ScheduleReport:
     """Compiles ``lowered`` with XLA's schedule dump on and reads its model of the step.
 
@@ -87,6 +91,8 @@ def schedule_report(
       gpu: the GPU for the roofline (a :class:`jaxsync.GpuSpec` or a key of
         :data:`jaxsync.GPUS`); default: read off the program's target config.
       dump_dir: keep XLA's dump here (default: a temporary directory).
+      twin: price what the scheduler skipped with the pricing twin (a second
+        compile, only when something was skipped); ``False``: with the roofline.
 
     Returns:
       A :class:`ScheduleReport`.
@@ -95,7 +101,7 @@ def schedule_report(
       >>> report = jaxsync.schedule_report(step.lower(state, batch))
       >>> print(report.step_us, report.exposed_us)
     """
-    return compile_scheduled(lowered, options=options, gpu=gpu, dump_dir=dump_dir)[1]
+    return compile_scheduled(lowered, options=options, gpu=gpu, dump_dir=dump_dir, twin=twin)[1]
 
 
 def compile_scheduled(
@@ -104,6 +110,7 @@ def compile_scheduled(
     options: Mapping[str, Any] | None = None,
     gpu: GpuSpec | str | None = None,
     dump_dir: str | None = None,
+    twin: bool = True,
 ) -> tuple[Any, ScheduleReport]:
     """:func:`schedule_report`, and the executable it modeled (to run it on real GPUs
     and set its measured step beside the model: ``benchmarks/bench_gpu_real.py``)."""
@@ -116,15 +123,33 @@ def compile_scheduled(
     with tempfile.TemporaryDirectory() as tmp:
         where = dump_dir or tmp
         compiled = _compile(lowered, {**opts, "xla_dump_to": where})
-        files = sorted(glob.glob(os.path.join(where, "*.schedule.txt")), key=os.path.getmtime)
-        if not files:
+        text = _schedule_text(where)
+        twin_text = None
+        # Nothing scheduled at all (no collective anywhere), or some computations
+        # skipped: price them with the twin.
+        made = (
+            pricing_twin(lowered) if twin and (text is None or skipped_computations(text)) else None
+        )
+        if made is not None:
+            twin_dir = os.path.join(where, "pricing_twin")
+            _compile(made[0], {**opts, "xla_dump_to": twin_dir})
+            twin_text = _schedule_text(twin_dir)
+        if text is None:
+            text, twin_text = twin_text, None
+        if text is None:
             platform = getattr(getattr(compiled, "_executable", None), "platform", "?")
             raise RuntimeError(_NO_SCHEDULE.format(version=jax.__version__, platform=platform))
-        with open(files[-1]) as f:
-            text = f.read()
         spec = _gpu(gpu, where)
-    report = read_schedule(text, compiled.memory_analysis(), spec)
+    report = read_schedule(text, compiled.memory_analysis(), spec, twin_text)
     return compiled, dataclasses.replace(report, hlo_text=compiled.as_text())
+
+
+def _schedule_text(where: str) -> str | None:
+    files = sorted(glob.glob(os.path.join(where, "*.schedule.txt")), key=os.path.getmtime)
+    if not files:
+        return None
+    with open(files[-1]) as f:
+        return f.read()
 
 
 def _compile(lowered: Any, options: dict[str, Any]) -> Any:
@@ -165,5 +190,3 @@ def _gpu(gpu: GpuSpec | str | None, dump: str) -> GpuSpec:
             f"jaxsync.GpuSpec; pass `gpu=` (a key of {sorted(GPUS)} or your own GpuSpec)."
         )
     return by_name[name]
-
-

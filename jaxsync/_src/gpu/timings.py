@@ -57,8 +57,9 @@ class Hotspot:
 class ComputationTiming:
     """One computation's modeled time per run, and how often it runs per step.
 
-    ``source`` is ``"xla"`` (the scheduler's ``total_cycles``) or ``"roofline"``;
-    ``span_us`` is the scheduler's makespan of it (the roofline figure where skipped).
+    ``source`` is ``"xla"`` (the scheduler's ``total_cycles``, or its price of the
+    same kernels in the pricing twin), ``"roofline"``, or ``"xla+roofline"`` (the
+    twin held some of its kernels); ``span_us`` is the scheduler's makespan of it.
     """
 
     name: str
@@ -75,8 +76,8 @@ class ScheduleReport:
 
     Attributes:
       step_us: the modeled step: every computation's own time times its runs.
-      roofline_us: the part of ``step_us`` priced by the roofline (computations the
-        scheduler skipped), not by XLA.
+      roofline_us: the part of ``step_us`` priced by the roofline, not by XLA: the
+        kernels of skipped computations that the pricing twin could not price.
       roofline_scale: the factors applied to those roofline figures, for matmul
         kernels and for the rest: XLA's modeled time of the same class of kernels
         in the scheduled computations over their roofline.
@@ -108,6 +109,17 @@ class ScheduleReport:
         return sum(self.exposed_us.values())
 
     @property
+    def xla_share(self) -> float:
+        """The share of ``step_us`` that XLA's own cost model priced (the rest: roofline)."""
+        return 1.0 - self.roofline_us / self.step_us if self.step_us else 1.0
+
+    @property
+    def readings_gap(self) -> float:
+        """How far the timeline reads from the statistics: ``makespan / step - 1``.
+        Beyond 5% either way, quote both (:meth:`summary` says so)."""
+        return self.makespan_us / self.step_us - 1.0 if self.step_us else 0.0
+
+    @property
     def makespan_us(self) -> float:
         """The step by the scheduler's own timeline, a second reading of XLA's model.
 
@@ -134,7 +146,11 @@ class ScheduleReport:
             "exposed communication "
             f"{self.exposed_total_us / 1e3:.3f} ms ({self.exposed_total_us / self.step_us:.1%})",
         ]
-        lines.append(f"  on the scheduler's timeline: {self.makespan_us / 1e3:.3f} ms")
+        lines.append(f"  on the scheduler's timeline: {self.makespan_us / 1e3:.3f} ms"
+                     f" ({self.readings_gap:+.1%})")
+        if abs(self.readings_gap) > 0.05:
+            lines.append("  the two readings differ by more than 5%: quote both")
+        lines.append(f"  priced by XLA's cost model: {self.xla_share:.1%}")
         for kind, us in sorted(self.exposed_us.items()):
             lines.append(f"  exposed {kind}: {us / 1e3:.3f} ms")
         m = self.memory
