@@ -20,6 +20,8 @@ from jaxsync._src.fsdp.gather import MixedPrecision as MixedPrecision
 from jaxsync._src.fsdp.offload import host_offload_supported as host_offload_supported
 from jaxsync._src.fsdp.offload import offload as offload
 from jaxsync._src.fsdp.offload import with_offloaded_state as with_offloaded_state
+from jaxsync._src.gpu.bound import CommunicationBound as CommunicationBound
+from jaxsync._src.gpu.bound import communication_bound as communication_bound
 from jaxsync._src.gpu.hlo import CollectiveStats as CollectiveStats
 from jaxsync._src.gpu.hlo import collective_stats as collective_stats
 from jaxsync._src.gpu.hlo import lowered_collective_counts as lowered_collective_counts
@@ -98,11 +100,13 @@ __all__ = [
     "GPU_PERFORMANCE_OPTIONS",
     "SCHEDULE_OPTIONS",
     "CollectiveTiming",
+    "CommunicationBound",
     "ComputationTiming",
     "GpuSpec",
     "ScheduleReport",
     "gpu_target_available",
     "gpu_topology",
+    "communication_bound",
     "schedule_report",
     "OwnedMatrix",
     "OwnershipReport",
