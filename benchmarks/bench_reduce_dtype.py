@@ -1,10 +1,12 @@
 """What reducing gradients in bf16 costs in accuracy (the ``reduce_dtype`` option).
 
-    python benchmarks/bench_reduce_dtype.py
+    python benchmarks/bench_reduce_dtype.py [--devices 64]
 
-GSPMD reduce-scatters a bf16 model's gradients in bf16; jaxsync reduces in fp32 by
-default (``reduce_dtype=jnp.float32``), which moves twice the bytes. This measures
-what the halved traffic costs: the gradients of ``bench_scan``'s scanned GPT (bf16
+GSPMD reduce-scatters a bf16 model's gradients in bf16; jaxsync sums them in fp32 by
+default (``reduce_dtype=jnp.float32``). Inside one host it sends them in bf16 and
+sums the pieces in fp32 (an all-to-all, ``sync.collectives.scatter_wire_sum``:
+GSPMD's bytes); across hosts, as an fp32 ring (twice the bytes). This measures
+what each costs in accuracy: the gradients of ``bench_scan``'s scanned GPT (bf16
 params) on 8 simulated CPU devices, each on its own rows, are summed by
 ``jax.lax.psum_scatter`` in bf16 and in fp32, and compared with their exact sum
 (float64 on the host). Reported: the relative L2 error
@@ -17,10 +19,12 @@ simulated on the host (in ring order) for the third row.
 from __future__ import annotations
 
 import os
+import sys  # noqa: E402
 
+_N = int(sys.argv[sys.argv.index("--devices") + 1]) if "--devices" in sys.argv else 8
 if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (
-        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+        os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={_N}"
     )
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
@@ -33,20 +37,25 @@ import numpy as np  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jaxsync  # noqa: E402
+from jaxsync._src.sync.collectives import scatter_wire_sum  # noqa: E402
 
 AXIS = "data"
 
 
 def main() -> None:
     cfg = model.Config(vocab=256, seq=128, d_model=256, heads=4, layers=4, batch_per_device=4)
+    if _N > 8:  # the same global batch, fewer rows per device
+        cfg = model.Config(vocab=256, seq=128, d_model=256, heads=4, layers=4, batch_per_device=1)
     n = jax.device_count()
     mesh = jax.make_mesh((n,), (AXIS,))
     params = model.cast(model.init_params(cfg), jnp.bfloat16)
-    tokens = np.random.default_rng(0).integers(0, cfg.vocab, (n * 4, cfg.seq + 1), np.int32)
+    tokens = np.random.default_rng(0).integers(
+        0, cfg.vocab, (n * cfg.batch_per_device, cfg.seq + 1), np.int32
+    )
     loss = partial(model.scanned_loss, heads=cfg.heads, dtype=jnp.bfloat16)
 
     @jax.jit
-    @partial(jax.shard_map, mesh=mesh, in_specs=(P(), P(AXIS)), out_specs=(P(AXIS),) * 3)
+    @partial(jax.shard_map, mesh=mesh, in_specs=(P(), P(AXIS)), out_specs=(P(AXIS),) * 4)
     def grads(params, tokens):
         _, g = jaxsync.value_and_grad(loss, axis_name=AXIS)(params, tokens)  # local grads
         flat = jnp.concatenate([x.reshape(-1) for x in jax.tree.leaves(g)])
@@ -54,10 +63,11 @@ def main() -> None:
         flat = jnp.pad(flat, (0, pad))
         f32 = jax.lax.psum_scatter(flat.astype(jnp.float32), AXIS, tiled=True)
         bf16 = jax.lax.psum_scatter(flat.astype(jnp.bfloat16), AXIS, tiled=True)
-        return flat[None], f32, bf16
+        wire = scatter_wire_sum(flat.astype(jnp.float32), (AXIS,), jnp.bfloat16)
+        return flat[None], f32, bf16, wire
 
     tokens = jaxsync.shard_batch(tokens, mesh, axis_name=AXIS)
-    local, f32, bf16 = grads(jax.device_put(params, jax.NamedSharding(mesh, P())), tokens)
+    local, f32, bf16, wire = grads(jax.device_put(params, jax.NamedSharding(mesh, P())), tokens)
     size = sum(x.size for x in jax.tree.leaves(params))
     exact = np.asarray(local, np.float64).sum(0)[:size] / n
     rows = []
@@ -69,6 +79,7 @@ def main() -> None:
         ring = (ring.astype(np.float32) + np.asarray(local[i], np.float32)).astype(jnp.bfloat16)
     sums = (
         ("fp32 psum_scatter", np.asarray(f32, np.float64)[:size]),
+        ("bf16 wire, fp32 sums (all-to-all)", np.asarray(wire, np.float64)[:size]),
         ("bf16 psum_scatter (XLA:CPU)", np.asarray(bf16, np.float64)[:size]),
         ("bf16 ring, rounded per hop (NCCL's order)", np.asarray(ring, np.float64)[:size]),
     )
