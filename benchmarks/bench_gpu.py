@@ -3,16 +3,19 @@
     python benchmarks/bench_gpu.py                       # 8 x H100, ~1B params
     python benchmarks/bench_gpu.py --size 8b --hosts 8   # 64 x H100, ~8B params
     python benchmarks/bench_gpu.py --quick               # a small model (smoke run)
+    python benchmarks/bench_gpu.py --model llama --size 7b --hosts 8   # Llama-style, 7.2B
 
 No GPU is needed: every step is lowered from ``jax.ShapeDtypeStruct``s against a
 compile-only mesh (:func:`jaxsync.gpu_topology`) and compiled by XLA's GPU
 pipeline; :func:`jaxsync.schedule_report` reads the latency-hiding scheduler's
 model of it. The figures are XLA's model of an H100 program, not measurements.
 
-The model is a GPT written the way large JAX models are (``bench_scan``'s): token
-and position embedding, pre-norm blocks (causal attention, GELU MLP) stacked
-``[L, ...]`` and run by ``lax.scan`` over a ``jax.checkpoint``-ed body, LM head;
-bf16 compute. Every method runs AdamW with clipping at global norm 1.0:
+The models are written the way large JAX models are: pre-norm blocks stacked
+``[L, ...]`` and run by ``lax.scan`` over a ``jax.checkpoint``-ed body, bf16
+compute. ``--model gpt`` (``bench_scan``'s): token and position embedding, causal
+attention, GELU MLP, LM head. ``--model llama`` (``llama.py``): RMSNorm, rotary
+embeddings, grouped-query attention, SwiGLU MLP, untied head. Every method runs
+AdamW with clipping at global norm 1.0:
 
   replicated   shard_map; fp32 params replicated, bf16 model, ``lax.pmean`` of the grads
   gspmd_zero1  ``jax.jit``; bf16 params replicated, fp32 master and AdamW state sharded
@@ -57,17 +60,59 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import bench_scan as model  # noqa: E402
+import bench_scan  # noqa: E402
+import llama  # noqa: E402
+from bench_scan import cast, fmt_table  # noqa: E402
 
 import jaxsync  # noqa: E402
 
 AXIS = "data"
 F32, BF16 = jnp.float32, jnp.bfloat16
-SIZES = {  # d_model, heads, layers, seq, vocab, rows per GPU
+SIZES = {  # the GPT's (bench_gpu_real reads it): d_model, heads, layers, seq, vocab, rows/GPU
     "quick": (512, 8, 4, 512, 8192, 2),
     "1b": (2048, 16, 16, 2048, 32768, 4),
     "8b": (4096, 32, 32, 2048, 32768, 2),
 }
+
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+    """A benchmarked model: its module (``Config``, ``device_params(cfg)``,
+    ``scanned_loss``), its configs by size, the ``scanned_loss`` keywords a config
+    gives, and its tensor-parallel split (leaf name -> spec over "model")."""
+
+    name: str
+    module: object
+    sizes: dict
+    loss_kw: object
+    tp_specs: dict
+
+
+def _gpt(d, heads, layers, seq, vocab, rows):
+    return bench_scan.Config(vocab=vocab, seq=seq, d_model=d, heads=heads, layers=layers,
+                             batch_per_device=rows)  # fmt: skip
+
+
+#: Megatron's split over "model": column-parallel qkv, MLP up/gate and head (their
+#: output dim), row-parallel attention out and MLP down (their input dim), and the
+#: vocab-parallel token embedding (its vocab dim: the compiler partitions the lookup,
+#: so no GPU holds the whole table or its whole gradient).
+COLUMN, ROW = P(None, None, "model"), P(None, "model", None)
+MEGATRON = {"wo": ROW, "w_up": COLUMN, "w_down": ROW, "w": P(None, "model"),
+            "tok": P("model", None)}  # fmt: skip
+MODELS = {
+    "gpt": Model("GPT", bench_scan, {k: _gpt(*v) for k, v in SIZES.items()},
+                 lambda cfg: {"heads": cfg.heads},
+                 {**MEGATRON, "wqkv": COLUMN, "b_up": P(None, "model")}),
+    "llama": Model("Llama", llama, llama.SIZES,
+                   lambda cfg: {"heads": cfg.heads, "kv_heads": cfg.kv_heads},
+                   {**MEGATRON, "wq": COLUMN, "wk": COLUMN, "wv": COLUMN, "w_gate": COLUMN}),
+}  # fmt: skip
+
+
+def model_of(cfg) -> Model:
+    """The model a config belongs to (the functions below take configs of any model)."""
+    return next(m for m in MODELS.values() if isinstance(cfg, m.module.Config))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,11 +122,11 @@ class Case:
     args: tuple  # ShapeDtypeStructs with shardings
 
 
-def param_shapes(cfg: model.Config, dtype) -> dict:
-    """``bench_scan.init_params``'s tree, as ShapeDtypeStructs (nothing allocated)."""
+def param_shapes(cfg, dtype) -> dict:
+    """The model's ``device_params`` tree, as ShapeDtypeStructs (nothing allocated)."""
     return jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, dtype),
-        jax.eval_shape(lambda: model.device_params(cfg)),
+        jax.eval_shape(lambda: model_of(cfg).module.device_params(cfg)),
     )
 
 
@@ -93,8 +138,9 @@ def clipped():
     return optax.chain(optax.clip_by_global_norm(1.0), tx())
 
 
-def loss_fn(cfg: model.Config, constrain=None, remat_policy=None):
-    return partial(model.scanned_loss, heads=cfg.heads, dtype=BF16, constrain=constrain,
+def loss_fn(cfg, constrain=None, remat_policy=None):
+    m = model_of(cfg)
+    return partial(m.module.scanned_loss, **m.loss_kw(cfg), dtype=BF16, constrain=constrain,
                    remat_policy=remat_policy)  # fmt: skip
 
 
@@ -103,41 +149,33 @@ def put(tree, sharding):
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=shard(x)), tree)
 
 
-#: Megatron's split of bench_scan's GPT over "model": column-parallel qkv, MLP up and
-#: head (their output dim), row-parallel attention out and MLP down (their input dim),
-#: and the vocab-parallel token embedding (its vocab dim: the compiler partitions the
-#: lookup, so no GPU holds the whole table or its whole gradient).
-TP_SPECS = {
-    "wqkv": P(None, None, "model"), "wo": P(None, "model", None),
-    "w_up": P(None, None, "model"), "b_up": P(None, "model"),
-    "w_down": P(None, "model", None), "w": P(None, "model"), "tok": P("model", None),
-}  # fmt: skip
-
-
-def tp_spec(path, x, mesh) -> P:
+def tp_spec(path, mesh, specs) -> P:
     """The tensor-parallel spec of a leaf (replicated on a mesh without "model")."""
     if "model" not in mesh.axis_names:
         return P()
     keys = [k.key for k in path if isinstance(k, jax.tree_util.DictKey)]
-    return TP_SPECS.get(keys[-1], P()) if keys else P()
+    return specs.get(keys[-1], P()) if keys else P()
 
 
-def with_tp(mesh):
-    """ShapeDtypeStructs carrying their tensor-parallel sharding (replicated over data)."""
+def with_tp(mesh, cfg=None):
+    """ShapeDtypeStructs carrying their tensor-parallel sharding (replicated over data):
+    ``cfg``'s model's split (None: the GPT's, as bench_gpu_real calls it)."""
+    specs = (model_of(cfg) if cfg is not None else MODELS["gpt"]).tp_specs
     return lambda tree: jax.tree_util.tree_map_with_path(
         lambda path, x: jax.ShapeDtypeStruct(
-            x.shape, x.dtype, sharding=NamedSharding(mesh, tp_spec(path, x, mesh))
+            x.shape, x.dtype, sharding=NamedSharding(mesh, tp_spec(path, mesh, specs))
         ), tree,
     )  # fmt: skip
 
 
-def gspmd_sharding(mesh, stacked_keys=("blocks",), data=True):
+def gspmd_sharding(cfg, mesh, stacked_keys=("blocks",), data=True):
     """GSPMD's ZeRO placement: the TP spec, plus the data axis on the largest free dim."""
     n = mesh.shape[AXIS]
+    specs = model_of(cfg).tp_specs
 
     def one(path, x):
         stacked = any(f"['{k}']" in jax.tree_util.keystr(path) for k in stacked_keys)
-        spec = list(tp_spec(path, x, mesh)) + [None] * x.ndim
+        spec = list(tp_spec(path, mesh, specs)) + [None] * x.ndim
         free = [i for i in range(1 if stacked else 0, x.ndim)
                 if spec[i] is None and x.shape[i] % n == 0]  # fmt: skip
         if data and free:
@@ -156,8 +194,8 @@ def baselines(cfg, mesh, tokens) -> list[Case]:
     act = NamedSharding(mesh, P(AXIS))
     gloss = loss_fn(cfg, lambda x: jax.lax.with_sharding_constraint(x, act))
     opt = clipped()
-    shard = gspmd_sharding(mesh)
-    tp = with_tp(mesh)
+    shard = gspmd_sharding(cfg, mesh)
+    tp = with_tp(mesh, cfg)
     master = shard(param_shapes(cfg, F32))
     opt_state = shard(jax.eval_shape(opt.init, master))
     msh, osh = (jax.tree.map(lambda x: x.sharding, t) for t in (master, opt_state))
@@ -169,9 +207,9 @@ def baselines(cfg, mesh, tokens) -> list[Case]:
     @partial(jax.shard_map, mesh=mesh, in_specs=(P(), P(AXIS)), out_specs=(P(), P()))
     def replicated(state, tokens):
         params, opt_state = state
-        model_p = jax.lax.pcast(model.cast(params, BF16), (AXIS,), to="varying")
+        model_p = jax.lax.pcast(cast(params, BF16), (AXIS,), to="varying")
         loss, g = jax.value_and_grad(lfn)(model_p, tokens)
-        g = jax.lax.pmean(model.cast(g, F32), AXIS)
+        g = jax.lax.pmean(cast(g, F32), AXIS)
         updates, opt_state = opt.update(g, opt_state, params)
         return (optax.apply_updates(params, updates), opt_state), jax.lax.pmean(loss, AXIS)
 
@@ -186,21 +224,21 @@ def baselines(cfg, mesh, tokens) -> list[Case]:
     def gspmd_zero1(state, tokens):
         params, master, opt_state = state
         loss, g = jax.value_and_grad(gloss)(params, tokens)
-        g = jax.lax.with_sharding_constraint(model.cast(g, F32), msh)
+        g = jax.lax.with_sharding_constraint(cast(g, F32), msh)
         updates, opt_state = opt.update(g, opt_state, master)
         master = optax.apply_updates(master, updates)
-        return (model.cast(master, BF16), master, opt_state), loss
+        return (cast(master, BF16), master, opt_state), loss
 
     @partial(jax.jit, donate_argnums=(0,), out_shardings=((msh, osh), rep))
     def gspmd_fsdp(state, tokens):
         master, opt_state = state
-        loss, g = jax.value_and_grad(lambda m, t: gloss(model.cast(m, BF16), t))(master, tokens)
+        loss, g = jax.value_and_grad(lambda m, t: gloss(cast(m, BF16), t))(master, tokens)
         g = jax.lax.with_sharding_constraint(g, msh)
         updates, opt_state = opt.update(g, opt_state, master)
         return (optax.apply_updates(master, updates), opt_state), loss
 
     # data parallel with the TP split (2-D meshes): optax state sharded like the params
-    dsh = gspmd_sharding(mesh, data=False)
+    dsh = gspmd_sharding(cfg, mesh, data=False)
     dmaster = dsh(param_shapes(cfg, F32))
     dstate = (dmaster, dsh(jax.eval_shape(opt.init, dmaster)))
     dshard = tuple(jax.tree.map(lambda x: x.sharding, t) for t in dstate)
@@ -208,8 +246,8 @@ def baselines(cfg, mesh, tokens) -> list[Case]:
     @partial(jax.jit, donate_argnums=(0,), out_shardings=(dshard, rep))
     def gspmd_ddp(state, tokens):
         params, opt_state = state
-        loss, g = jax.value_and_grad(gloss)(model.cast(params, BF16), tokens)
-        updates, opt_state = opt.update(model.cast(g, F32), opt_state, params)
+        loss, g = jax.value_and_grad(gloss)(cast(params, BF16), tokens)
+        updates, opt_state = opt.update(cast(g, F32), opt_state, params)
         return (optax.apply_updates(params, updates), opt_state), loss
 
     if "model" in mesh.axis_names:
@@ -245,7 +283,7 @@ def jaxsync_cases(cfg, mesh, tokens) -> list[Case]:
             loss_fn(cfg, remat_policy=remat), tx(), mesh, mode=mode, stacked="blocks",
             clip_grad_norm=1.0, **kw,
         )  # fmt: skip
-        shapes = with_tp(mesh)(param_shapes(cfg, dtype))
+        shapes = with_tp(mesh, cfg)(param_shapes(cfg, dtype))
         out.append(Case(name, step, (step.abstract_state(shapes), batch)))
     return out
 
@@ -268,7 +306,8 @@ REFERENCE = {"jaxsync_ddp": "replicated", "jaxsync_ddp_bf16rs": "replicated",
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--size", choices=sorted(SIZES), default="1b")
+    ap.add_argument("--model", choices=sorted(MODELS), default="gpt")
+    ap.add_argument("--size", default="1b", help="gpt: quick/1b/8b; llama: quick/1b/7b")
     ap.add_argument("--quick", action="store_true", help="--size quick")
     ap.add_argument("--gpu", default="h100", choices=sorted(jaxsync.GPUS))
     ap.add_argument("--hosts", type=int, default=1)
@@ -284,9 +323,11 @@ def main() -> None:
     ap.add_argument("--out", default="", help="also write the table (markdown) here")
     args = ap.parse_args()
     size = "quick" if args.quick else args.size
-    d, heads, layers, seq, vocab, rows = SIZES[size]
-    cfg = model.Config(vocab=vocab, seq=seq, d_model=d, heads=heads, layers=layers,
-                       batch_per_device=rows)  # fmt: skip
+    m = MODELS[args.model]
+    if size not in m.sizes:
+        ap.error(f"--size for --model {args.model}: one of {', '.join(m.sizes)}, not {size!r}")
+    cfg = m.sizes[size]
+    rows, seq = cfg.batch_per_device, cfg.seq
     total = args.hosts * args.gpus_per_host
     axes = {AXIS: total // args.tp, "model": args.tp} if args.tp > 1 else None
     mesh = jaxsync.gpu_topology(
@@ -303,10 +344,11 @@ def main() -> None:
     flag_sets = {"default": {}, "perf": dict(jaxsync.GPU_PERFORMANCE_OPTIONS)}
     if args.flags != "both":
         flag_sets = {args.flags: flag_sets[args.flags]}
+    gqa = f" heads={cfg.heads}/{cfg.kv_heads} ffn={cfg.ffn}" if m is MODELS["llama"] else ""
     bound = 2 * 4 * nparams / args.tp * (n - 1) / n  # a TP group's GPU holds ~1/tp
     title = (
         f"{mesh.size} x {jaxsync.GPUS[args.gpu].name} {dict(mesh.shape)}, "
-        f"GPT d={d} L={layers} seq={seq} vocab={vocab}, "
+        f"{m.name} d={cfg.d_model} L={cfg.layers}{gqa} seq={seq} vocab={cfg.vocab}, "
         f"{nparams / 1e9:.2f}B params, {rows} rows/GPU, AdamW + clip; jax {jax.__version__}"
     )
     print(title, flush=True)
@@ -337,7 +379,7 @@ def main() -> None:
                 "yes" if r.memory["peak"] <= gpu.memory_bytes else "**no**",
             ])  # fmt: skip
         label = "XLA defaults" if not options else "GPU performance flags"
-        table = model.fmt_table(head, rows_out, 1)
+        table = fmt_table(head, rows_out, 1)
         lines += [f"{label}:", "", table, ""]
         print(f"\n{label}:\n{table}\n", flush=True)
     if args.out:
