@@ -113,3 +113,30 @@ def test_the_zero_step_of_a_bf16_model_sends_bf16(mesh8):
     g = jax.grad(lambda w: loss({"w": w.astype(BF16)}, x))(params["w"].astype(F32))
     want = params["w"].astype(F32) - 0.1 * g
     np.testing.assert_allclose(np.asarray(state.params["w"], F32), want, rtol=2e-2, atol=2e-3)
+
+
+def test_inside_the_layer_loop_the_ring_stays(mesh8):
+    """XLA pipelines a reduce-scatter into the next layer's backward, but not an
+    all-to-all: a scanned layer's gradients keep the fp32 ring, the rest go bf16."""
+    import optax
+
+    rng = np.random.default_rng(3)
+    params = {
+        "blocks": {"w": jnp.asarray(rng.standard_normal((3, 32, 32)) * 0.1, BF16)},
+        "head": jnp.asarray(rng.standard_normal((32, 8)), BF16),
+    }
+
+    def loss(p, xb):
+        def body(h, w):
+            return jnp.tanh(h @ jaxsync.tap(w)["w"]), None
+
+        h, _ = jax.lax.scan(body, xb, p["blocks"])
+        return jnp.mean(jnp.square((h @ p["head"]).astype(F32)))
+
+    step = jaxsync.train_step(loss, optax.sgd(0.1), mesh8, mode="zero", stacked="blocks")
+    x = jnp.asarray(rng.standard_normal((16, 32)), BF16)
+    text = step.lower(step.init(params), x).as_text()
+    counts = jaxsync.lowered_collective_counts(text)
+    assert counts["all-to-all"] == 1 and counts["reduce-scatter"] == 1
+    scatter = text.split("reduce_scatter")[1][:600]
+    assert "xf32>" in scatter  # the loop's ring sums in fp32

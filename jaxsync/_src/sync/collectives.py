@@ -94,15 +94,23 @@ def bucket_all_reduce(
 
 
 def reduce_bucket(
-    bucket: jax.Array, key: BufferKey, axes: tuple[str, ...], *, scatter: bool
+    bucket: jax.Array,
+    key: BufferKey,
+    axes: tuple[str, ...],
+    *,
+    scatter: bool,
+    in_loop: bool = False,
 ) -> jax.Array:
     """One bucket's data-parallel reduction (after the finalize-rule reductions).
 
     The reduction runs over the last axis, so a stacked ``[layers, n]`` bucket is
     reduced for all layers at once and a scanned layer's ``[n]`` row alone.
+    ``in_loop``: the bucket is one layer's, reduced inside the layer loop, where
+    XLA pipelines a reduce-scatter into the next layer's compute but not an
+    all-to-all (so :func:`scatter_wire_sum` would be exposed there).
     """
     x = extra_reduce(bucket, key)
-    if scatter and wire_sum(x.dtype, key.dtype, axes):
+    if scatter and not in_loop and wire_sum(x.dtype, key.dtype, axes):
         return scatter_wire_sum(x, axes, jnp.dtype(key.dtype))
     if scatter:
         return jax.lax.psum_scatter(x, axes, scatter_dimension=x.ndim - 1, tiled=True)

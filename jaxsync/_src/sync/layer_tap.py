@@ -130,7 +130,8 @@ def _tap_bwd(spec: TapSpec, res: Any, ct: PyTree) -> tuple[None, Any, None]:
         baxes = buffer_axes(layout, bi, spec.axes)
         reduced = []
         for bucket, sink in zip(buckets, sinks, strict=True):
-            r = scale_by(reduce_bucket(bucket, key, baxes, scatter=spec.scatter), spec.factor)
+            r = reduce_bucket(bucket, key, baxes, scatter=spec.scatter, in_loop=True)
+            r = scale_by(r, spec.factor)
             reduced.append(_like(r, sink))
         out.append(tuple(reduced))
     params_ct = None
@@ -149,5 +150,3 @@ def _synced(spec: TapSpec, leaves: list[Any]) -> list[Any]:
 def _like(x: jax.Array, sink: jax.Array) -> jax.Array:
     """``x`` in the sink's dtype, typed device-varying over every axis it varies over."""
     return to_varying(x.astype(sink.dtype), tuple(sorted(varying_axes(sink))))
-
-
