@@ -63,6 +63,7 @@ from jaxsync._src.optim.routing import ownership_report as ownership_report
 from jaxsync._src.optim.state import DistributedOptimizerState as DistributedOptimizerState
 from jaxsync._src.optim.state import StepMetrics as StepMetrics
 from jaxsync._src.step.builder import train_step as train_step
+from jaxsync._src.step.linen_scan import linen_scan as linen_scan
 from jaxsync._src.step.modes import DDP as DDP
 from jaxsync._src.step.modes import FSDP as FSDP
 from jaxsync._src.step.modes import ZeRO as ZeRO
@@ -167,6 +168,7 @@ __all__ = [
     "fully_shard",
     "host_offload_supported",
     "initialize",
+    "linen_scan",
     "lowered_collective_counts",
     "merge_module",
     "nonfinite_grads",

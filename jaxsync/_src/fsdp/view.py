@@ -13,6 +13,7 @@ from typing import Any
 import jax
 
 from ..core.names import param_name
+from ..sync.tap_rules import WHOLE_STACK
 from ..sync.views import NOT_TAPPED
 
 PyTree = Any
@@ -43,6 +44,10 @@ class ShardedLayers:
 
     def jaxsync_tap(self) -> PyTree:
         """This layer's params, gathered from its shard (:func:`jaxsync.tap`)."""
+        shape = tuple(getattr(self.shard, "shape", ()))
+        if len(shape) > 1:  # one layer's shard is flat; [L, shard] is the whole stack
+            what = f"its shard with shape {shape}; one layer's shard has shape {shape[1:]}"
+            raise ValueError(WHOLE_STACK.format(group=self.unit, what=what))
         return self.fs.gather_layer(self.shard, self.unit)
 
     def __getitem__(self, key: Any) -> Any:

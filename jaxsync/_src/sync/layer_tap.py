@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from ..core.axes import to_varying, varying_axes
 from ..layout.layout import Layout
 from .collectives import buffer_axes, reduce_bucket, scale_by
-from .tap_rules import TAP_NAME
+from .tap_rules import TAP_NAME, WHOLE_STACK
 from .views import NOT_TAPPED
 
 PyTree = Any
@@ -70,6 +70,13 @@ class LayerStack:
         leaves = _synced(spec, jax.tree.leaves(self.params))
         for si, leaf in zip(spec.slots, leaves, strict=True):
             slot = spec.layout.slots[si]
+            if leaf.ndim == len(slot.row_shape) + 1 and leaf.shape[1:] == slot.row_shape:
+                # [L, ...]: the whole stack
+                what = (
+                    f"param {slot.path} with shape {tuple(leaf.shape)}; one layer's slice "
+                    f"has shape {slot.row_shape}"
+                )
+                raise ValueError(WHOLE_STACK.format(group=spec.group, what=what))
             if tuple(leaf.shape) != slot.row_shape:
                 raise ValueError(
                     f"jaxsync.tap got param {slot.path} of stacked group {spec.group!r} with "

@@ -17,6 +17,15 @@ holds every tap whatever was cached:
 - a tap inside a ``lax.cond``/``switch`` branch whose predicate differs between
   devices puts a collective where only some devices go: a deadlock. FSDP's unit
   gathers are checked the same way (:func:`check_no_gather_under_cond`).
+
+A tap with no operands and no results is not counted: partial evaluation leaves
+such an empty shell of a custom_vjp call behind in the enclosing trace (flax
+linen's ``nn.scan`` traces its body once more outside the loop, to check that its
+broadcast values are loop invariants); no value goes in or out, so no gradient
+rides on it.
+
+A tap of a whole stack, outside its loop, is refused by the tap itself (the
+stack's shapes are not one layer's), with :data:`WHOLE_STACK`.
 """
 
 from __future__ import annotations
@@ -27,7 +36,7 @@ from typing import Any
 
 from jax.extend import core as jcore
 
-from .views import NEVER_TAPPED
+from .views import NEVER_TAPPED, SCAN_HELPERS
 
 #: The name every tap's custom_vjp carries in a jaxpr, per stacked group.
 TAP_NAME = "jaxsync_tap[{group}]"
@@ -37,9 +46,19 @@ NOT_SCANNED = (
     "layers run one by one in Python), with microbatches: jaxsync cannot tell from the "
     "trace whether each tap is another layer, and a layer tapped twice would add the "
     "earlier microbatches' gradients twice. Run the stack with `lax.scan` over the "
-    "stacked params (flax NNX: `jaxsync.scan_layers`) with `jaxsync.tap` first in the "
-    "scanned body, or drop the group from `stacked=` (its gradients are then synced "
-    "after the backward pass), or use microbatches=1."
+    "stacked params with `jaxsync.tap` first in the scanned body (" + SCAN_HELPERS + "), "
+    "or drop the group from `stacked=` (its gradients are then synced after the backward "
+    "pass), or use microbatches=1."
+)
+#: NOT_SCANNED's case of one tap: the whole stack tapped once, outside the layer loop
+#: (``nn.map_variables(..., trans_in_fn=...)`` around a linen ``nn.scan``). The tap
+#: itself raises it, whatever the microbatches: no tap can take a whole stack.
+WHOLE_STACK = (
+    "`jaxsync.tap` got the whole stacked-layer group {group!r} ({what}), tapped once "
+    "outside the layer loop (as `nn.map_variables` around a linen `nn.scan` does): a tap "
+    "takes one layer's slice, first thing in the scanned layer body, where the layer's "
+    "gradient is synced as the backward loop computes it. " + SCAN_HELPERS + "; plain JAX: "
+    "`p = jaxsync.tap(p)` first in the body that `lax.scan` runs over the stacked params."
 )
 NESTED = (
     "`jaxsync.tap` of the stacked-layer group {group!r} sits in a scan nested inside "
@@ -100,7 +119,7 @@ def _custom_name(eqn: Any) -> str:
 
 def _group_of(eqn: Any) -> str | None:
     name = _custom_name(eqn)
-    if not name:
+    if not name or not (eqn.invars or eqn.outvars):  # no name, or an empty shell
         return None
     prefix = TAP_NAME.split("{", 1)[0]
     return name[len(prefix) : -1] if name.startswith(prefix) and name.endswith("]") else None
@@ -178,7 +197,7 @@ GATHER_UNDER_COND = (
 
 def _gathers(jaxpr: Any) -> bool:
     for eqn in jaxpr.eqns:
-        if _custom_name(eqn) == FSDP_GATHER:
+        if _custom_name(eqn) == FSDP_GATHER and (eqn.invars or eqn.outvars):
             return True
         if any(_gathers(sub) for sub in _subjaxprs(eqn)):
             return True

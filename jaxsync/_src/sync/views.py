@@ -14,10 +14,17 @@ import contextvars
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+#: Where the model frameworks' layer loops get their taps from jaxsync.
+SCAN_HELPERS = (
+    "flax linen: build the stack with `jaxsync.linen_scan(Block, length=L)` in place of "
+    "`nn.scan(Block, ...)`; flax NNX: run it with `jaxsync.scan_layers`"
+)
 NOT_TAPPED = (
     "this is jaxsync's view of the stacked-layer group {group!r}, not its params: call "
     "`p = jaxsync.tap(p)` on the layer's slice first thing in the scanned layer body "
-    "(it returns the layer's params and syncs their gradient inside the backward loop)."
+    "(it returns the layer's params and syncs their gradient inside the backward loop; "
+    + SCAN_HELPERS
+    + ")."
 )
 
 
@@ -25,7 +32,8 @@ NEVER_TAPPED = (
     "the stacked-layer group(s) {groups} reached the loss function as jaxsync's view, but "
     "no scanned layer body passed its layer through `jaxsync.tap`, so their gradients would "
     "be lost. Call `p = jaxsync.tap(p)` on each layer's slice in the scanned body (flax "
-    "NNX: run the stacked module with `jaxsync.scan_layers`), or drop them from `stacked=`."
+    "NNX: run the stacked module with `jaxsync.scan_layers`; flax linen: build it with "
+    "`jaxsync.linen_scan`), or drop them from `stacked=`."
 )
 
 
@@ -98,6 +106,9 @@ def tap(layer: Any) -> Any:
     with microbatches each layer is tapped once per step (one tap per scanned
     body, one scan over the stack, not nested in another loop).
 
+    flax models need not call it: :func:`jaxsync.scan_layers` (NNX) and
+    :func:`jaxsync.linen_scan` (linen, in place of ``nn.scan``) tap each layer.
+
     Example:
       >>> def body(x, p):
       ...     p = jaxsync.tap(p)
@@ -115,5 +126,3 @@ def is_view(x: Any) -> bool:
     2-D step's DimStack): each taps itself. The type is asked, not the view, whose
     ``__getattr__`` refuses every name to catch a model reading it untapped."""
     return hasattr(type(x), "jaxsync_tap")
-
-

@@ -20,7 +20,8 @@ from jax.ad_checkpoint import checkpoint_name
 
 from ...core.axes import to_varying, varying_axes
 from ...fsdp.fully_shard import GATHERED
-from ...sync.tap_rules import TAP_NAME
+from ...sync.tap_rules import TAP_NAME, WHOLE_STACK
+from ...sync.views import SCAN_HELPERS
 from .dims import DimPlan, DimSync, gather, reduce
 
 PyTree = Any
@@ -152,6 +153,13 @@ class DimStack:
         leaves = jax.tree.leaves(self.params)
         for leaf, plan in zip(leaves, spec.plans, strict=True):
             want = plan.local_shape(spec.sync.axes) if spec.sync.fsdp else plan.shape
+            if leaf.ndim == len(want) + 1 and tuple(leaf.shape[1:]) == tuple(want):
+                # [L, ...]: the whole stack
+                what = (
+                    f"param {plan.name} with shape {tuple(leaf.shape)}; one layer's slice "
+                    f"has shape {tuple(want)}"
+                )
+                raise ValueError(WHOLE_STACK.format(group=spec.group, what=what))
             if tuple(leaf.shape) != want:
                 raise ValueError(
                     f"jaxsync.tap got param {plan.name} of stacked group {spec.group!r} with "
@@ -179,5 +187,7 @@ class DimStack:
 
 _NOT_TAPPED = (
     "this is jaxsync's view of the stacked-layer group {group!r}, not its params: call "
-    "`p = jaxsync.tap(p)` on the layer's slice first thing in the scanned layer body."
+    "`p = jaxsync.tap(p)` on the layer's slice first thing in the scanned layer body ("
+    + SCAN_HELPERS
+    + ")."
 )
