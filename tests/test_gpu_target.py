@@ -299,11 +299,11 @@ def test_abstract_state_matches_init(mesh8):
 
 
 @needs_plugin
-@pytest.mark.parametrize("mode,axes", [("fsdp", None), ("zero", {"data": 4, "model": 2})])
+@pytest.mark.parametrize("mode,axes", [(m, {"data": 4, "model": 2}) for m in ("fsdp", "zero")])
 def test_steps_that_gain_nothing_from_a_pipelined_reduce_scatter_do_not_pay_for_it(mode, axes):
-    """FSDP and 2-D steps are compiled without XLA's pipelined reduce-scatter: it
-    holds one more layer in flight for no modeled time (xla_options). Asking for it
-    at compile time still works, and costs temporaries."""
+    """2-D steps are compiled without XLA's pipelined reduce-scatter: it holds one
+    more layer in flight for no modeled time (xla_options). Asking for it at compile
+    time still works, and costs temporaries."""
     from jaxsync._src.step.xla_options import PIPELINED_REDUCE_SCATTER, step_compiler_options
 
     mesh = jaxsync.gpu_topology("h100", axes=axes)
@@ -327,15 +327,21 @@ def test_steps_that_gain_nothing_from_a_pipelined_reduce_scatter_do_not_pay_for_
 def test_xla_flags_keep_the_users_pipelining_choice(monkeypatch):
     from jaxsync._src.step.xla_options import (
         DOUBLE_BUFFERING,
+        PIPELINED_ALL_GATHER,
         PIPELINED_REDUCE_SCATTER,
         step_compiler_options,
     )
 
-    # 1-D ZeRO keeps the pipelined reduce-scatter, and its loops are double-buffered
+    # 1-D steps keep the pipelined reduce-scatter, and their loops are double-buffered
     assert step_compiler_options("zero", two_d=False) == {DOUBLE_BUFFERING: True}
+    assert step_compiler_options("fsdp", two_d=False) == {
+        DOUBLE_BUFFERING: True, PIPELINED_ALL_GATHER: True,
+    }  # fmt: skip
     assert step_compiler_options("ddp", two_d=True) == {PIPELINED_REDUCE_SCATTER: False}
-    monkeypatch.setenv("XLA_FLAGS", f"--{PIPELINED_REDUCE_SCATTER}=true --{DOUBLE_BUFFERING}=false")
+    monkeypatch.setenv("XLA_FLAGS", f"--{PIPELINED_ALL_GATHER}=false --{DOUBLE_BUFFERING}=false")
     assert step_compiler_options("fsdp", two_d=False) == {}
+    monkeypatch.setenv("XLA_FLAGS", f"--{PIPELINED_REDUCE_SCATTER}=true")
+    assert step_compiler_options("zero", two_d=True) == {}
 
 
 @needs_plugin

@@ -1,26 +1,21 @@
 """XLA options a training step is compiled with, and why.
 
-XLA's GPU pipeline moves a reduce-scatter inside a loop one iteration later
-("pipelined reduce-scatter", on by default) so it can overlap the next layer's
-compute. For the steps below that holds one more layer's activations and
-gradients live in the loop's peeled iteration and buys no time in XLA's
-modeled H100 schedule (bench_gpu, one run each):
+XLA's GPU pipeline can move a collective inside a loop into the neighbouring
+iteration ("pipelined" reduce-scatter, on by default; all-gather, off) so it
+overlaps that layer's compute. XLA's scheduler statistics credit the overlap only
+when the loop is also double-buffered (unrolled twice: the moved collective then
+starts and completes inside one body); its timeline credits it either way.
 
-- FSDP on 8 x H100 (1B GPT): 134.4 ms either way, temporaries 5402 -> 4222 MiB;
-- a 2-D step (64 x H100 as data=8 x model=8, 1B GPT), whose layer loop waits on
-  the compiler's tensor-parallel collectives: ZeRO 85.3 ms either way,
-  temporaries 1232 -> 1035 MiB; FSDP 102.8 -> 102.7 ms, 1328 -> 1227 MiB.
+- 1-D steps are double-buffered; 1-D FSDP also pipelines its all-gathers (the
+  figures are at :data:`DOUBLE_BUFFERING` and :func:`step_compiler_options`).
+- 2-D steps (a layer loop that waits on the compiler's tensor-parallel
+  collectives) keep the pipelined reduce-scatter off: measured on 64 x H100 as
+  data=8 x model=8 (1B GPT, the earlier reader) it held one more layer in flight
+  for no modeled time (ZeRO 85.3 ms either way, temporaries 1232 -> 1035 MiB;
+  FSDP 102.8 -> 102.7 ms, 1328 -> 1227 MiB).
 
-At 6.7B on that 2-D mesh the time is again the same either way (ZeRO 322.8 vs
-323.6 ms, FSDP 427.4 vs 428.4) and ZeRO still saves (2004 -> 1940 MiB), but FSDP
-holds 129 MiB more without it (2500 -> 2629): not a rule for every model.
-
-ZeRO on a 1-D mesh keeps it. With every kernel priced by XLA (the pricing twin),
-the 1.1B Llama-style model on 8 x H100 reads 165.75 ms with it and 165.79 ms
-without in the scheduler's statistics, which do not credit the pipelining, and
-153.8 against 165.4 ms on its timeline, which does; it costs 5793 - 4269 MiB of
-temporaries. A choice made in ``XLA_FLAGS`` or passed to
-``.compile(compiler_options=...)`` wins.
+A choice made in ``XLA_FLAGS`` or passed to ``.compile(compiler_options=...)``
+wins.
 """
 
 from __future__ import annotations
@@ -29,23 +24,31 @@ import os
 from typing import Any
 
 PIPELINED_REDUCE_SCATTER = "xla_gpu_enable_pipelined_reduce_scatter"
+PIPELINED_ALL_GATHER = "xla_gpu_enable_pipelined_all_gather"
 #: XLA unrolls a loop twice so that a collective it pipelines across iterations
 #: starts and completes inside one unrolled body. For 1-D steps (1.1B and 7.2B
 #: Llama-style models, bench_gpu, XLA defaults otherwise, statistics / timeline):
 #: ZeRO on 8 x H100 165.75 / 153.81 -> 160.24 / 153.52 ms and temporaries 5793 ->
 #: 4975 MiB; ZeRO on 64 x H100 683.5 / 508.9 -> 663.3 / 508.4 ms, 5986 -> 5541 MiB;
-#: DDP, FSDP and FSDP keeping its layers unchanged to 0.2 ms. Not measured on 2-D
-#: steps, which keep XLA's default.
+#: DDP unchanged to 0.2 ms. Not measured on 2-D steps, which keep XLA's default.
 DOUBLE_BUFFERING = "xla_gpu_enable_while_loop_double_buffering"
 
 
 def step_compiler_options(mode: str, two_d: bool) -> dict[str, Any]:
     """The ``jax.jit(compiler_options=...)`` of a step (ignored off GPU); a flag the
-    user set in ``XLA_FLAGS`` is left to them."""
+    user set in ``XLA_FLAGS`` is left to them.
+
+    1-D FSDP, double-buffered, also pipelines its per-layer collectives into the
+    neighbouring layer (1.1B Llama-style model, 8 x H100): 171.49 / 170.30 ms with
+    the pipelined reduce-scatter off, 165.96 / 158.92 with it, 163.10 / 152.81 with
+    the pipelined all-gather too, for 4836 -> 5298 MiB of temporaries.
+    """
     user = os.environ.get("XLA_FLAGS", "")
-    options: dict[str, Any] = {}
-    if not two_d and DOUBLE_BUFFERING not in user:
-        options[DOUBLE_BUFFERING] = True
-    if (mode == "fsdp" or two_d) and PIPELINED_REDUCE_SCATTER not in user:
-        options[PIPELINED_REDUCE_SCATTER] = False
-    return options
+    wanted: dict[str, Any] = {}
+    if two_d:
+        wanted[PIPELINED_REDUCE_SCATTER] = False
+    else:
+        wanted[DOUBLE_BUFFERING] = True
+        if mode == "fsdp":
+            wanted[PIPELINED_ALL_GATHER] = True
+    return {k: v for k, v in wanted.items() if k not in user}
