@@ -328,6 +328,7 @@ def test_xla_flags_keep_the_users_pipelining_choice(monkeypatch):
     from jaxsync._src.step.xla_options import (
         DOUBLE_BUFFERING,
         PIPELINED_ALL_GATHER,
+        PIPELINED_ALL_REDUCE,
         PIPELINED_REDUCE_SCATTER,
         step_compiler_options,
     )
@@ -336,6 +337,9 @@ def test_xla_flags_keep_the_users_pipelining_choice(monkeypatch):
     assert step_compiler_options("zero", two_d=False) == {DOUBLE_BUFFERING: True}
     assert step_compiler_options("fsdp", two_d=False) == {
         DOUBLE_BUFFERING: True, PIPELINED_ALL_GATHER: True,
+    }  # fmt: skip
+    assert step_compiler_options("ddp", two_d=False) == {
+        DOUBLE_BUFFERING: True, PIPELINED_ALL_REDUCE: True,
     }  # fmt: skip
     assert step_compiler_options("ddp", two_d=True) == {PIPELINED_REDUCE_SCATTER: False}
     monkeypatch.setenv("XLA_FLAGS", f"--{PIPELINED_ALL_GATHER}=false --{DOUBLE_BUFFERING}=false")
