@@ -1,10 +1,11 @@
-# `make demo` and `make test` work on a fresh machine with only python3 (>= 3.11).
+# `make demo`, `make test` and `make docs` work on a fresh machine with only python3 (>= 3.11).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
+DOCS_STAMP := $(VENV)/.docs-stamp
 
-.PHONY: demo plot test lint bench bench-scan bench-gpu clean
+.PHONY: demo plot test docs docs-serve lint bench bench-scan bench-gpu clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +29,18 @@ plot: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2 --dist loadfile
 
+# The docs site, strictly: a broken link, anchor or API reference fails the build.
+# Writes build/site (mkdocs.yml's site_dir); `make docs-serve` serves it while you edit.
+$(DOCS_STAMP): $(STAMP)
+	$(PY) -m pip install -q -e '.[docs]'
+	touch $(DOCS_STAMP)
+
+docs: $(DOCS_STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
+
+docs-serve: $(DOCS_STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs serve
+
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
@@ -42,4 +55,4 @@ bench-gpu: $(STAMP)
 	$(PY) benchmarks/bench_gpu.py
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) runs .pytest_cache build/site

@@ -1,22 +1,27 @@
-"""Every Python block of README.md runs, so the README cannot rot.
+"""Every Python block of README.md and of the docs pages (docs/**/*.md) runs, so
+neither can rot.
 
-The blocks run in README order in one shared namespace, as a reader goes through
-them: the first block's imports and ``mesh`` serve the later ones. What the
-README leaves to the reader (a model, a batch: "params, loss_fn and batch are
-your model and data") comes from a *setup* named by an HTML comment right
-before the block, ``<!-- readme-test: NAME -->``; after the block, NAME's
-*check* asserts what the block claims (the step ran, loss finite, params equal
-to the same optimizer on one device, a restore gave back what was saved).
+Each page's blocks run in page order in one namespace of their own, as a reader
+goes through the page: its first block's imports and ``mesh`` serve the later
+ones; nothing carries over from one page to another. What a page leaves to the
+reader (a model, a batch: "params, loss_fn and batch are your model and data")
+comes from a *setup* named by an HTML comment right before the block,
+``<!-- readme-test: NAME -->``; after the block, NAME's *check* asserts what the
+block claims (the step ran, loss finite, params equal to the same optimizer on
+one device, a restore gave back what was saved). NAMEs are unique over all pages.
 
 Directives, each on the line right before a fence:
 
 - ``<!-- readme-test: NAME -->``: run with ``SPECS[NAME]``'s setup and check.
 - ``<!-- readme-test: raises ValueError -->`` (optionally after NAME): the block
   must raise this exception (a builtin or a ``jaxsync`` name).
-- ``<!-- not run: REASON -->``: the block is skipped, and reported with REASON.
+- ``<!-- not run: REASON -->``: the block is skipped, and reported with REASON. A
+  REASON that says ``same as PAGE.md`` promises a block of PAGE.md with the same
+  code that runs; the test holds it to that.
 
 A Python block without a directive runs too, with no setup. Running one block
-alone (``pytest -k``) runs the blocks before it first, since it continues them.
+alone (``pytest -k``) runs the blocks of its page before it first, since it
+continues them.
 """
 
 from __future__ import annotations
@@ -44,10 +49,12 @@ from jax.sharding import PartitionSpec as P
 
 import jaxsync
 from jaxsync._src.multihost import distributed
-from tests.helpers import mlp_loss, mlp_params, nnx_reference, scanned_params
+from tests.helpers import mlp_loss, mlp_params, nnx_reference, scanned_loss, scanned_params
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+#: README.md, then every docs page (by path)
+PAGES = [README, *sorted((ROOT / "docs").rglob("*.md"))]
 ROWS = 16  # global batch: 2 rows per simulated device
 
 _FENCE = re.compile(r"^```\s*([\w+-]*)\s*$")
@@ -57,8 +64,9 @@ _DIRECTIVE = re.compile(r"^<!--\s*(readme-test|not run)\s*:\s*(.*?)\s*-->\s*$")
 # ------------------------------------------------------------------- parsing
 @dataclasses.dataclass(frozen=True)
 class Block:
-    """One fenced block of the README."""
+    """One fenced block of a page."""
 
+    page: str  # path from the repository root: README.md, docs/fsdp.md
     line: int  # 1-based line of the opening fence
     lang: str
     code: str
@@ -68,10 +76,18 @@ class Block:
 
     @property
     def id(self) -> str:
-        return f"line{self.line}" + (f"-{self.name}" if self.name else "")
+        return f"{self.page}:{self.line}" + (f"-{self.name}" if self.name else "")
+
+    @property
+    def where(self) -> str:
+        return f"{self.page}:{self.line}"
 
 
-def parse_readme(text: str) -> list[Block]:
+def rel(path: Path) -> str:
+    return path.relative_to(ROOT).as_posix()
+
+
+def parse_page(text: str, page: str = "README.md") -> list[Block]:
     blocks, lines, i = [], text.splitlines(), 0
     while i < len(lines):
         m = _FENCE.match(lines[i])
@@ -81,8 +97,8 @@ def parse_readme(text: str) -> list[Block]:
         start = i
         end = next((j for j in range(i + 1, len(lines)) if lines[j].strip() == "```"), None)
         if end is None:
-            raise ValueError(f"README.md:{start + 1}: code block never closed")
-        # Line numbers of the code stay those of the README, for tracebacks.
+            raise ValueError(f"{page}:{start + 1}: code block never closed")
+        # Line numbers of the code stay those of the page, for tracebacks.
         code = "\n" * (start + 1) + "\n".join(lines[start + 1 : end]) + "\n"
         kwargs: dict[str, Any] = {}
         d = _DIRECTIVE.match(lines[start - 1]) if start else None
@@ -93,19 +109,23 @@ def parse_readme(text: str) -> list[Block]:
             if "raises" in words:
                 k = words.index("raises")
                 if k + 2 != len(words):
-                    raise ValueError(f"README.md:{start}: write `raises ExceptionName` last")
+                    raise ValueError(f"{page}:{start}: write `raises ExceptionName` last")
                 kwargs["raises"] = words[k + 1]
                 words = words[:k]
             if len(words) > 1:
-                raise ValueError(f"README.md:{start}: one name per directive, got {d[2]!r}")
+                raise ValueError(f"{page}:{start}: one name per directive, got {d[2]!r}")
             kwargs["name"] = words[0] if words else None
-        blocks.append(Block(start + 1, m[1].lower(), code, **kwargs))
+        blocks.append(Block(page, start + 1, m[1].lower(), code, **kwargs))
         i = end + 1
     return blocks
 
 
-BLOCKS = parse_readme(README.read_text())
-PYTHON = [b for b in BLOCKS if b.lang in ("python", "py")]
+BLOCKS = {rel(p): parse_page(p.read_text(), rel(p)) for p in PAGES}
+PYTHON = {
+    page: [b for b in blocks if b.lang in ("python", "py")] for page, blocks in BLOCKS.items()
+}
+ALL_BLOCKS = [b for blocks in BLOCKS.values() for b in blocks]
+ALL_PYTHON = [b for blocks in PYTHON.values() for b in blocks]
 
 
 # --------------------------------------------------------------- the helpers
@@ -151,8 +171,9 @@ def shard_fraction(x: jax.Array) -> float:
 
 
 # ------------------------------------------------------- setups and checks
-# Each block's setup adds what the README's prose describes but does not spell
-# out; its check asserts what the block claims. ``ctx`` keeps values between them.
+# Each block's setup adds what the page's prose describes but does not spell
+# out; its check asserts what the block claims. ``ctx`` keeps values between them
+# (one ``ctx`` per page; ``ctx.blocks`` are the page's blocks).
 
 
 def setup_quickstart(ns: dict, ctx: SimpleNamespace) -> None:
@@ -184,7 +205,6 @@ def check_quickstart(ns: dict, ctx: SimpleNamespace) -> None:
     ref, _ = nnx_reference(model, optax.adamw(1e-2), ns["loss_fn"], batches)
     close(nnx_params(ns["model"]), ref, rtol=1e-4, atol=1e-5)
     assert isinstance(ns["model"], nnx.Sequential) and float(ns["loss"]) < first / 2
-    ctx.nnx_loss = ns["loss_fn"]
 
 
 def check_train_step(ns: dict, ctx: SimpleNamespace) -> None:
@@ -194,11 +214,16 @@ def check_train_step(ns: dict, ctx: SimpleNamespace) -> None:
     state = ns["state"]
     assert int(state.step) == 1 and float(state.metrics.grad_norm) > 0
     assert all(x.sharding.is_fully_replicated for x in jax.tree.leaves(ns["params"]))
-    ctx.train_step = {k: ns[k] for k in ("step", "state", "params", "loss_fn", "batch")}
 
 
 def setup_state_checkpoint(ns: dict, ctx: SimpleNamespace) -> None:
-    ns.update(ctx.train_step)  # the train_step section's run, 8 devices
+    # the training step page's run (its train_step block), 8 devices
+    setup_ddp(ns, ctx)
+    step = jaxsync.train_step(
+        mlp_loss, optax.adam(3e-4), ns["mesh"], mode="ddp", microbatches=2, clip_grad_norm=1.0
+    )
+    state, _ = step(step.init(ns["params"]), ns["batch"])
+    ns.update(step=step, state=state, params=step.params(state))
 
 
 def check_state_checkpoint(ns: dict, ctx: SimpleNamespace) -> None:
@@ -213,8 +238,14 @@ def check_state_checkpoint(ns: dict, ctx: SimpleNamespace) -> None:
     assert int(state4.step) == 2 and np.isfinite(float(loss))
 
 
+def nnx_mse(model: Any, batch: Any) -> jax.Array:
+    """The quick start's ``loss_fn(model, batch)``."""
+    x, y = batch
+    return jnp.mean((model(x) - y) ** 2)
+
+
 def setup_nnx_scanned(ns: dict, ctx: SimpleNamespace) -> None:
-    ns["loss_fn"] = ctx.nnx_loss  # the quick start's loss_fn(model, batch)
+    ns["loss_fn"] = nnx_mse
     ns["batch"] = (normal(104, ROWS, 8), normal(105, ROWS, 1))
 
 
@@ -298,8 +329,6 @@ def check_zero(ns: dict, ctx: SimpleNamespace) -> None:
     ref = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(3e-4))
     close(ns["params"], one_step(ref, mlp_loss, ctx.params, ns["batch"]))
     assert changed(ns["params"], ctx.params)
-    # the checkpoint example continues this training run
-    ctx.zero = {k: ns[k] for k in ("params", "opt_state", "tx", "mesh", "step", "batch", "loss_fn")}
 
 
 LAYERS = 4
@@ -326,9 +355,16 @@ def check_scanned(ns: dict, ctx: SimpleNamespace) -> None:
     in_loop = report.in_loop(kind="reduce-scatter", role="backward")
     assert in_loop and all(c.trip_count == LAYERS for c in in_loop), report
     # the README's sample of a report has the columns and rule line of the real one
-    (sample,) = [b.code.strip().splitlines() for b in BLOCKS if b.code.strip().startswith("name ")]
+    (sample,) = [
+        b.code.strip().splitlines() for b in ctx.blocks if b.code.strip().startswith("name ")
+    ]
     real = str(report).splitlines()
     assert sample[0].split() == real[0].split() and set(sample[1]) == set(real[1]) == {"-", " "}
+
+
+def setup_layerwise(ns: dict, ctx: SimpleNamespace) -> None:
+    setup_scanned(ns, ctx)
+    ns["loss_fn"] = scanned_loss  # the scanned-layers page's loss_fn: jaxsync.tap in its body
 
 
 def check_layerwise(ns: dict, ctx: SimpleNamespace) -> None:
@@ -396,7 +432,7 @@ def run_rules(block: Block, ns: dict, ctx: SimpleNamespace) -> None:
     )
     def body(params, batch):
         local = dict(ns, params=params, batch=batch, loss_fn=rules_loss)
-        exec(compile(block.code, str(README), "exec"), local)
+        exec(compile(block.code, str(ROOT / block.page), "exec"), local)
         defined.update({k: v for k, v in local.items() if k in ("rules", "tx", "dp")})
         per_device = jax.tree.map(lambda g: g[None], local["grads"])
         return jax.lax.pmean(local["loss"], RULES_AXES), per_device
@@ -482,7 +518,24 @@ def check_multihost(ns: dict, ctx: SimpleNamespace) -> None:
 
 
 def setup_checkpoint(ns: dict, ctx: SimpleNamespace) -> None:
-    ns.update(ctx.zero)  # the distributed optimizer's run, from its section
+    # the explicit path's distributed optimizer (its zero block): tx, step, params...
+    setup_ddp(ns, ctx)
+    mesh, loss_fn = ns["mesh"], ns["loss_fn"]
+    tx = jaxsync.distributed_optimizer(
+        optax.adam(3e-4), axis_name="data", clip_grad_norm=1.0, bucket_size=2**22
+    )
+    specs = tx.state_specs(ns["params"], mesh)
+
+    @jax.jit
+    @partial(
+        jax.shard_map, mesh=mesh, in_specs=(P(), specs, P("data")), out_specs=(P(), specs, P())
+    )
+    def step(params, opt_state, batch):
+        loss, grads = jaxsync.value_and_grad(loss_fn, axis_name="data")(params, batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, jax.lax.pmean(loss, "data")
+
+    ns.update(tx=tx, step=step, opt_state=tx.sharded_init(ns["params"], mesh))
     ns["start"], ns["steps"] = 0, 2
     ctx.params = ns["params"]
 
@@ -557,7 +610,7 @@ SPECS = {
     "zero": Spec(setup_zero, check_zero),
     "accumulate": Spec(setup_accumulate, check_accumulate),
     "scanned": Spec(setup_scanned, check_scanned),
-    "layerwise": Spec(setup_scanned, check_layerwise),
+    "layerwise": Spec(setup_layerwise, check_layerwise),
     "rules": Spec(run=run_rules),
     "fsdp_step": Spec(setup_fsdp, check_fsdp_step),
     "fsdp": Spec(setup_fsdp, check_fsdp),
@@ -578,32 +631,33 @@ def _exception(name: str) -> type[BaseException]:
 
 
 class Runner:
-    """Runs ``blocks`` in order in one namespace, each at most once."""
+    """Runs one page's ``blocks`` in order in one namespace, each at most once."""
 
     def __init__(self, blocks: list[Block], specs: dict[str, Spec], cwd: Path):
         self.blocks, self.specs = blocks, specs
-        self.cwd = cwd  # relative paths in the README (runs/x/...) land here
-        self.ns: dict[str, Any] = {"__name__": "readme"}
-        self.ctx = SimpleNamespace()
+        self.cwd = cwd  # relative paths in the page (runs/x/...) land here
+        self.ns: dict[str, Any] = {"__name__": "docs"}
+        page = blocks[0].page if blocks else "README.md"
+        self.ctx = SimpleNamespace(blocks=BLOCKS.get(page, blocks))
         self.outcome: dict[int, str] = {}  # index -> "ok" | "not run" | "failed"
 
     def run_through(self, index: int) -> None:
-        """Runs block ``index``, after any earlier block not run yet."""
+        """Runs block ``index``, after any earlier block of its page not run yet."""
         for i in range(index):
             if i not in self.outcome:
                 try:
                     self._run(i)
                 except Exception as e:
                     pytest.fail(
-                        f"README.md:{self.blocks[i].line}, run first since this block "
+                        f"{self.blocks[i].where}, run first since this block "
                         f"continues it, failed: {type(e).__name__}: {e}"
                     )
             if self.outcome[i] == "failed":
-                pytest.skip(f"continues README.md:{self.blocks[i].line}, which failed")
+                pytest.skip(f"continues {self.blocks[i].where}, which failed")
         self._run(index)
         block = self.blocks[index]
         if block.not_run:
-            pytest.skip(f"README.md:{block.line} is marked not run: {block.not_run}")
+            pytest.skip(f"{block.where} is marked not run: {block.not_run}")
 
     def _run(self, index: int) -> None:
         block = self.blocks[index]
@@ -612,10 +666,10 @@ class Runner:
             self.outcome[index] = "not run"
             return
         spec = self.specs[block.name] if block.name else Spec()
-        code = compile(block.code, str(README), "exec")
+        code = compile(block.code, str(ROOT / block.page), "exec")
         with contextlib.chdir(self.cwd), pytest.MonkeyPatch.context() as mp:
-            # jaxsync.initialize() is a no-op alone, as the README says: make sure
-            # no launcher or cluster variable of the machine running the tests leaks in.
+            # jaxsync.initialize() is a no-op alone, as the docs say: make sure no
+            # launcher or cluster variable of the machine running the tests leaks in.
             for var in (distributed.ENV_COORDINATOR, *distributed._CLUSTER_HINTS):
                 mp.delenv(var, raising=False)
             if spec.setup:
@@ -633,21 +687,34 @@ class Runner:
                 exec(code, self.ns)
             loss = self.ns.get("loss")
             if isinstance(loss, jax.Array):
-                assert np.isfinite(loss).all(), f"README.md:{block.line}: loss {loss}"
+                assert np.isfinite(loss).all(), f"{block.where}: loss {loss}"
             if spec.check:
                 spec.check(self.ns, self.ctx)
         self.outcome[index] = "ok"
 
 
 @pytest.fixture(scope="module")
-def runner(tmp_path_factory):
+def runners(tmp_path_factory):
+    """One runner per page, made when the page's first block runs."""
     require_devices(8)  # the checks count shards of 1/8
-    return Runner(PYTHON, SPECS, tmp_path_factory.mktemp("readme"))
+    made: dict[str, Runner] = {}
+
+    def get(page: str) -> Runner:
+        if page not in made:
+            cwd = tmp_path_factory.mktemp(page.replace("/", "-").removesuffix(".md"))
+            made[page] = Runner(PYTHON[page], SPECS, cwd)
+        return made[page]
+
+    return get
 
 
-@pytest.mark.parametrize("index", range(len(PYTHON)), ids=[b.id for b in PYTHON])
-def test_python_block(runner, index):
-    runner.run_through(index)
+@pytest.mark.parametrize(
+    ("page", "index"),
+    [(page, i) for page, blocks in PYTHON.items() for i in range(len(blocks))],
+    ids=[b.id for b in ALL_PYTHON],
+)
+def test_python_block(runners, page, index):
+    runners(page).run_through(index)
 
 
 def test_runner_marks_and_failures(tmp_path):
@@ -660,7 +727,7 @@ def test_runner_marks_and_failures(tmp_path):
         "<!-- readme-test: raises ZeroDivisionError -->", "```python", "x = 3", "```",
         "```python", "assert x == 3", "```",
     ])  # fmt: skip
-    blocks = parse_readme(text)
+    blocks = parse_page(text, "docs/x.md")
     assert [(b.line, b.not_run, b.raises) for b in blocks] == [
         (1, None, None), (5, "needs a GPU", None), (9, None, "ZeroDivisionError"),
         (13, None, "ZeroDivisionError"), (16, None, None),
@@ -672,26 +739,39 @@ def test_runner_marks_and_failures(tmp_path):
     r.run_through(2)
     with pytest.raises(pytest.fail.Exception, match="DID NOT RAISE"):
         r.run_through(3)
-    with pytest.raises(pytest.skip.Exception, match="continues README.md:13, which failed"):
+    with pytest.raises(pytest.skip.Exception, match="continues docs/x.md:13, which failed"):
         r.run_through(4)
-    with pytest.raises(pytest.fail.Exception, match=r"README.md:1, run first.*AssertionError"):
-        Runner(parse_readme(text.replace("x = 1", "assert 0")), SPECS, tmp_path).run_through(1)
+    bad = parse_page(text.replace("x = 1", "assert 0"), "docs/x.md")
+    with pytest.raises(pytest.fail.Exception, match=r"docs/x.md:1, run first.*AssertionError"):
+        Runner(bad, SPECS, tmp_path).run_through(1)
 
 
 def test_directives_name_known_specs():
-    named = [b.name for b in PYTHON if b.name]
-    unknown = [f"README.md:{b.line}: {b.name}" for b in PYTHON if b.name and b.name not in SPECS]
-    assert not unknown, f"no setup/check in tests/test_readme.py SPECS for {unknown}"
+    named = [b.name for b in ALL_PYTHON if b.name]
+    unknown = [f"{b.where}: {b.name}" for b in ALL_PYTHON if b.name and b.name not in SPECS]
+    assert not unknown, f"no setup/check in tests/test_docs.py SPECS for {unknown}"
     unused = sorted(set(SPECS) - set(named))
-    assert not unused, f"SPECS {unused} name no README block (renamed or removed?)"
+    assert not unused, f"SPECS {unused} name no block of README.md or docs/ (renamed or removed?)"
     assert len(named) == len(set(named)), f"a directive name is used twice: {named}"
-    for b in BLOCKS:
+    for b in ALL_BLOCKS:
         assert b.lang in ("python", "py") or not (b.name or b.raises or b.not_run), (
-            f"README.md:{b.line}: a directive before a {b.lang or 'plain'} block does nothing"
+            f"{b.where}: a directive before a {b.lang or 'plain'} block does nothing"
         )
-    for b in PYTHON:
+    for b in ALL_PYTHON:
         if b.raises:
             _exception(b.raises)
+
+
+def test_not_run_copies_match_a_block_that_runs():
+    """A block left out as "the same as PAGE.md's" is the code of a block of PAGE.md
+    that runs, so the two copies cannot drift apart."""
+    copies = [b for b in ALL_PYTHON if b.not_run and re.search(r"same\b.*?\S+\.md", b.not_run)]
+    assert copies, "the docs' copy of the README's quick start is checked here"
+    for b in copies:
+        page = re.search(r"same\b.*?([\w./-]+\.md)", b.not_run)[1]
+        assert page in PYTHON, f"{b.where}: not run as the same as {page}, which is no page"
+        run = [o.code.strip() for o in PYTHON[page] if not o.not_run]
+        assert b.code.strip() in run, f"{b.where} is not the same as any block {page} runs"
 
 
 def _check_command(words: list[str], where: str) -> None:
@@ -702,7 +782,7 @@ def _check_command(words: list[str], where: str) -> None:
         text = (ROOT / "Makefile").read_text()
         targets = set(re.findall(r"^([A-Za-z0-9_.-]+)\s*:(?!=)", text, re.M))
         missing = [w for w in words[1:] if "=" not in w and w not in targets]
-        assert not missing, f"README.md: `{where}`: no Makefile target {missing}"
+        assert not missing, f"{where}: no Makefile target {missing}"
         return
     if words[0] in ("python", "python3"):
         words = words[1:]
@@ -711,34 +791,51 @@ def _check_command(words: list[str], where: str) -> None:
         w, words = words[0], words[1:]
         if w == "-m" and words:
             spec = importlib.util.find_spec(words[0])
-            assert spec and spec.origin, f"README.md: `{where}`: no module {words[0]}"
+            assert spec and spec.origin, f"{where}: no module {words[0]}"
             source, words = Path(spec.origin).read_text(), words[1:]
         elif w.endswith(".py"):  # the program, or the script a launcher runs
-            assert (ROOT / w).is_file(), f"README.md: `{where}`: no file {w}"
+            assert (ROOT / w).is_file(), f"{where}: no file {w}"
             source = (ROOT / w).read_text()
         elif w.startswith("--") and source is not None:
             flag = w.split("=")[0]
-            assert f'"{flag}"' in source, f"README.md: `{where}`: {flag} is not an option"
+            assert f'"{flag}"' in source, f"{where}: {flag} is not an option"
 
 
-@pytest.mark.parametrize("block", [b for b in BLOCKS if b.lang in ("bash", "sh", "shell")],
-                         ids=lambda b: b.id)  # fmt: skip
+@pytest.mark.parametrize(
+    "block", [b for b in ALL_BLOCKS if b.lang in ("bash", "sh", "shell")], ids=lambda b: b.id
+)
 def test_shell_block_commands_exist(block):
     for line in block.code.splitlines():
         words = line.split("#")[0].split()
         if words:
-            _check_command(words, line.strip())
+            _check_command(words, f"{block.page}: `{line.strip()}`")
 
 
-def test_commands_and_paths_in_the_text_exist():
+@pytest.mark.parametrize("page", PAGES, ids=rel)
+def test_commands_and_paths_in_the_text_exist(page):
     """Inline commands (``make X``, ``python ...``, ``script.py --flag``) and the
     repository paths the text names (``dir/file.py``, ``.yaml``...)."""
-    for span in re.findall(r"`([^`\n]+)`", README.read_text()):
+    for span in re.findall(r"`([^`\n]+)`", page.read_text()):
         words = span.split()
+        where = f"{rel(page)}: `{span}`"
         if words[0] in ("make", "python", "python3") or (words[0].endswith(".py") and words[1:]):
-            _check_command(words, span)
+            _check_command(words, where)
         for word in words:
             if "/" in word and re.fullmatch(r"[\w./-]+\.(py|yaml|md|toml)", word):
-                assert (ROOT / word).is_file(), f"README.md mentions `{word}`, which does not exist"
+                assert (ROOT / word).is_file(), f"{where} names {word}, which does not exist"
             elif re.fullmatch(r"(jaxsync|tests|examples|benchmarks|configs)/[\w./-]*/", word):
-                assert (ROOT / word).is_dir(), f"README.md mentions folder `{word}`, which is gone"
+                assert (ROOT / word).is_dir(), f"{where} names folder {word}, which is gone"
+
+
+def test_api_reference_names_every_public_name():
+    """docs/api/ renders each name of ``jaxsync.__all__`` (``::: jaxsync.NAME``) once."""
+    names = [
+        m
+        for page in sorted((ROOT / "docs" / "api").glob("*.md"))
+        for m in re.findall(r"^::: jaxsync\.(\w+)\s*$", page.read_text(), re.M)
+    ]
+    assert sorted(names) == sorted(set(names)), "a name is rendered twice"
+    assert set(names) == set(jaxsync.__all__), (
+        f"missing: {sorted(set(jaxsync.__all__) - set(names))}, "
+        f"not public: {sorted(set(names) - set(jaxsync.__all__))}"
+    )
