@@ -839,3 +839,30 @@ def test_api_reference_names_every_public_name():
         f"missing: {sorted(set(jaxsync.__all__) - set(names))}, "
         f"not public: {sorted(set(names) - set(jaxsync.__all__))}"
     )
+
+
+DOCS_URL = "https://jaxsync.github.io/jaxsync/"
+
+
+def _anchors(page: Path) -> set[str]:
+    """The heading ids mkdocs gives a page (its toc slugs, simplified)."""
+    heads = re.findall(r"^#{1,6} (.+?)\s*$", page.read_text(), re.M)
+    return {re.sub(r"[^\w\- ]", "", h.lower()).strip().replace(" ", "-") for h in heads}
+
+
+def test_readme_links_are_absolute_and_name_docs_pages():
+    """PyPI shows README.md as the long description, where a relative link breaks: the
+    README links by absolute URL, and each link into the docs site names a page (and a
+    heading) that docs/ has."""
+    links = re.findall(r"\]\(([^)\s]+)\)|<(https?://[^>]+)>", README.read_text())
+    links = [a or b for a, b in links]
+    assert links, "the README links into the docs"
+    for link in links:
+        assert re.match(r"https?://", link), f"README.md: relative link {link}"
+        if not link.startswith(DOCS_URL):
+            continue
+        path, _, anchor = link.removeprefix(DOCS_URL).partition("#")
+        path = ROOT / "docs" / path.strip("/")
+        page = path.with_suffix(".md") if path.with_suffix(".md").is_file() else path / "index.md"
+        assert page.is_file(), f"README.md: {link} is no page of docs/"
+        assert not anchor or anchor in _anchors(page), f"README.md: {link}: no such heading"
