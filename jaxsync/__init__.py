@@ -62,6 +62,7 @@ from jaxsync._src.optim.routing import muon_labels as muon_labels
 from jaxsync._src.optim.routing import ownership_report as ownership_report
 from jaxsync._src.optim.state import DistributedOptimizerState as DistributedOptimizerState
 from jaxsync._src.optim.state import StepMetrics as StepMetrics
+from jaxsync._src.step.builder import MultiStepsWarning as MultiStepsWarning
 from jaxsync._src.step.builder import train_step as train_step
 from jaxsync._src.step.linen_scan import linen_scan as linen_scan
 from jaxsync._src.step.modes import DDP as DDP
@@ -117,6 +118,7 @@ __all__ = [
     "ownership_report",
     "whole_matrices",
     "AlwaysSkippedWarning",
+    "MultiStepsWarning",
     "Bucket",
     "DDP",
     "FSDP",

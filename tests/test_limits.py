@@ -298,6 +298,27 @@ def test_multi_steps_inside_tx_points_to_microbatches(mesh8):
         jaxsync.train_step(stacked_loss, optax.sgd(0.1), mesh8, microbatches=4)
 
 
+@pytest.mark.parametrize("mode", ["zero", "fsdp"])
+def test_a_mask_or_clip_inside_multi_steps_is_probed(mesh8, mode):
+    """MultiSteps gives empty updates for k-1 steps, and a warmup from 0 empties the first
+    inner step too: probed whole, a mask or a global-norm clip inside passed (the port of
+    a real trainer ran in fsdp without its weight-decay mask). The probe looks inside."""
+    import warnings
+
+    lr = optax.linear_schedule(0.0, 1e-3, 4)
+    mask = lambda p: jax.tree.map(lambda x: x.ndim > 1, p)  # noqa: E731
+    bad = (optax.MultiSteps(optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(lr)), 2),
+           optax.MultiSteps(optax.adamw(lr, mask=mask), 2))  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", jaxsync.MultiStepsWarning)
+        for tx in bad:
+            step = jaxsync.train_step(stacked_loss, tx, mesh8, mode)
+            with pytest.raises(ValueError, match="not elementwise"):
+                step.init(stacked_params())
+        fine = jaxsync.train_step(stacked_loss, optax.MultiSteps(optax.adamw(lr), 2), mesh8, mode)
+        fine.init(stacked_params())
+
+
 def test_known_elementwise_optimizers_skip_the_probe():
     """The probe was most of init (3 of 3.4 s on the example GPT): an optimizer built only
     from optax's elementwise factories skips it; anything else is still probed."""

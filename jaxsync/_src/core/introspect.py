@@ -76,3 +76,12 @@ def factories(tx: Any) -> frozenset[str]:
 def is_muon(tx: Any) -> bool:
     """``tx`` is (or contains) ``optax.contrib.muon``'s Newton-Schulz step."""
     return "scale_by_muon" in factories(tx)
+
+
+def multi_steps_of(tx: Any) -> Any:
+    """The ``optax.MultiSteps`` that ``tx`` is (or whose ``gradient_transformation()``
+    it is), else None."""
+    import optax
+
+    found = tx if isinstance(tx, optax.MultiSteps) else getattr(tx.update, "__self__", None)
+    return found if isinstance(found, optax.MultiSteps) else None

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from ..core.introspect import factory_of, functions, is_muon
+from ..core.introspect import factory_of, functions, is_muon, multi_steps_of
 
 NOT_ELEMENTWISE = (
     "the optimizer for {what} is not elementwise: run on flat shards that ignore "
@@ -356,6 +356,12 @@ def check_elementwise(
     real shapes (capped for very large models, see :func:`probe_shapes`); safe
     to call while tracing.
     """
+    multi = multi_steps_of(tx)
+    if multi is not None:
+        # It applies its inner optimizer to the gradients it accumulated: elementwise
+        # exactly when the inner one is. Probed whole, its first k-1 steps give empty
+        # updates on both sides and a mask or a global-norm clip inside went unseen.
+        tx = multi._opt
     if known_elementwise(tx):
         return
     path_leaves, treedef = jax.tree_util.tree_flatten_with_path(params)

@@ -16,6 +16,7 @@ import optax
 from jax.sharding import Mesh
 
 from ..core.axes import AxisName, mesh_axes_size, normalize_axes
+from ..core.introspect import multi_steps_of
 from ..core.validate import check_bool, check_positive
 from ..layout.placement import normalize_stacked
 from ..optim.loss_scale import LossScale, check_loss_scale
@@ -163,8 +164,8 @@ class MultiStepsWarning(UserWarning):
 
 def _warn_multi_steps(tx: Any, microbatches: int) -> None:
     for t in tx.values() if isinstance(tx, Mapping) else (tx,):
-        found = t if isinstance(t, optax.MultiSteps) else getattr(t.update, "__self__", None)
-        if isinstance(found, optax.MultiSteps):
+        found = multi_steps_of(t)
+        if found is not None:
             try:  # the k it was built with, when it is a constant
                 k = int(found._every_k_schedule(0))
             except Exception:
