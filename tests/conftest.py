@@ -7,8 +7,14 @@ int32 counters (Adam's bias correction), which strict mode rejects.
 import os
 
 # Must happen before jax is imported anywhere.
+# XLA:CPU's LLVM optimisations cost more compile time than the suite's small programs
+# ever win back at run time: without them the suite runs in about 0.6 of the time
+# (measured on two of its longest tests: 63 s -> 37 s). They change no numerics
+# (fast math stays off), and an XLA_FLAGS a user sets comes after ours and wins.
+_FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    f"{_FAST_COMPILE} --xla_force_host_platform_device_count=8 "
+    + os.environ.get("XLA_FLAGS", "")
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
