@@ -190,6 +190,7 @@ def assert_bitwise(a, b):
         assert np.array_equal(x, y, equal_nan=True), np.max(np.abs(x - y))
 
 
+@pytest.mark.default_xla
 @pytest.mark.parametrize("kind", ["zero", "ddp"])
 def test_bitwise_identical_at_every_dp_size(kind):
     ref = run(kind, 1)
@@ -232,6 +233,7 @@ def test_mode_matters_and_is_correct():
     assert err(det) <= 2 * max(err(default8[0]), err(default2[0]))
 
 
+@pytest.mark.default_xla
 def test_resume_at_another_dp_size(tmp_path):
     """Saved at N=8 after 5 steps, resumed at N=2: the same bits as never stopping."""
     kind, half = "zero", STEPS // 2

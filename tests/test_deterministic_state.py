@@ -99,6 +99,7 @@ def trained_bits(model, mode, n, steps=2):
     return np.concatenate([np.asarray(p).ravel() for p in jax.tree.leaves(step.params(state))])
 
 
+@pytest.mark.default_xla
 @pytest.mark.parametrize(
     "model, mode", [(Softmax, "ddp"), (Attention, "zero")], ids=["softmax-ddp", "attention-zero"]
 )

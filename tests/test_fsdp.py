@@ -295,6 +295,7 @@ def test_offload_to_pinned_host(mesh8):
     )
 
 
+@pytest.mark.default_xla
 def test_training_with_offloaded_state_equals_on_device(mesh8):
     params = init(jax.random.PRNGKey(0))
     data = batches(jax.random.PRNGKey(1), 2)

@@ -294,6 +294,7 @@ def test_fully_shard_takes_the_mesh_once(mesh8):
     assert_close(fs.unshard(shards, mesh8), params, rtol=0, atol=0)  # the old signature
 
 
+@pytest.mark.default_xla
 @pytest.mark.parametrize("mode", ["ddp", "zero"])
 def test_deterministic_step_is_bitwise_equal_at_8_and_2_devices(mode):
     """``deterministic=`` through the builder: the same bits on 8 and on 2 devices
