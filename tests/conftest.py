@@ -24,7 +24,11 @@ _FAST_COMPILE = (
 )
 #: Set in the process a ``default_xla`` test runs in.
 _DEFAULT_XLA = "JAXSYNC_TESTS_DEFAULT_XLA"
-_USER_XLA_FLAGS = os.environ.get("XLA_FLAGS", "")
+# The user's own XLA_FLAGS, as the first pytest process found them: xdist's workers and
+# the processes tests start inherit the XLA_FLAGS set below.
+_USER_XLA_FLAGS = os.environ.setdefault(
+    "JAXSYNC_TESTS_USER_XLA_FLAGS", os.environ.get("XLA_FLAGS", "")
+)
 os.environ["XLA_FLAGS"] = (
     ("" if os.environ.get(_DEFAULT_XLA) else _FAST_COMPILE)
     + " --xla_force_host_platform_device_count=8 "
@@ -48,6 +52,7 @@ import pytest  # noqa: E402
 # loaded from it keep their HLO text, which the collective-placement tests read.
 _CACHE = tempfile.mkdtemp(prefix="jaxsync-tests-xla-cache-")
 atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
+atexit.register(shutil.rmtree, _CACHE + "-default-xla", ignore_errors=True)
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _CACHE)
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
@@ -91,7 +96,10 @@ def pytest_collection_modifyitems(items):
 
 def _run_with_default_xla(item: pytest.Item) -> None:
     """Runs ``item`` alone in a new pytest process compiled with XLA's default options."""
-    env = {**os.environ, _DEFAULT_XLA: "1", "XLA_FLAGS": _USER_XLA_FLAGS}
+    # A compilation cache of their own: the cache keys leave out some XLA flags, and an
+    # executable the other processes compiled with the elemental emitters came back.
+    env = {**os.environ, _DEFAULT_XLA: "1", "XLA_FLAGS": _USER_XLA_FLAGS,
+           "JAX_COMPILATION_CACHE_DIR": _CACHE + "-default-xla"}  # fmt: skip
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", item.nodeid]
     done = subprocess.run(
         cmd, cwd=item.config.rootpath, env=env, capture_output=True, text=True, timeout=1200
