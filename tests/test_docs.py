@@ -301,11 +301,16 @@ def check_fsdp_step(ns: dict, ctx: SimpleNamespace) -> None:
     assert isinstance(ns["fs"], jaxsync.FullyShard)
 
 
-def setup_ddp(ns: dict, ctx: SimpleNamespace) -> None:
-    ns["params"] = random_like(mlp_params, 0)
+def _mlp_setup(ns: dict, ctx: SimpleNamespace, seed: int, batch_seed: int) -> None:
+    """The MLP's params, loss and a batch, under the names the blocks use."""
+    ns["params"] = random_like(mlp_params, seed)
     ns["loss_fn"] = mlp_loss
-    ns["batch"] = (normal(100, ROWS, 12), normal(101, ROWS, 5))
+    ns["batch"] = (normal(batch_seed, ROWS, 12), normal(batch_seed + 1, ROWS, 5))
     ctx.params = ns["params"]
+
+
+def setup_ddp(ns: dict, ctx: SimpleNamespace) -> None:
+    _mlp_setup(ns, ctx, 0, 100)
 
 
 def check_ddp(ns: dict, ctx: SimpleNamespace) -> None:
@@ -557,10 +562,7 @@ def check_checkpoint(ns: dict, ctx: SimpleNamespace) -> None:
 
 
 def setup_deterministic(ns: dict, ctx: SimpleNamespace) -> None:
-    ns["params"] = random_like(mlp_params, 7)
-    ns["loss_fn"] = mlp_loss
-    ns["batch"] = (normal(110, ROWS, 12), normal(111, ROWS, 5))
-    ctx.params = ns["params"]
+    _mlp_setup(ns, ctx, 7, 110)
 
 
 def check_deterministic(ns: dict, ctx: SimpleNamespace) -> None:
