@@ -119,3 +119,16 @@ def test_weighted_loss_is_checked():
     mesh = jax.make_mesh((8,), ("data",))
     with pytest.raises(ValueError, match="does not take a jaxsync.weighted_loss"):
         jaxsync.train_step(LOSS, optax.sgd(0.1), mesh, jaxsync.DDP(deterministic=True))
+
+
+def test_called_directly_it_is_the_weighted_mean_with_its_aux():
+    """The same object is the single-device loss, with ``(sum, aux)`` too (the port of
+    a trainer evaluates with it)."""
+    p, batch = params0(), batches(1)[0]
+    want = token_sum(p, batch) / jnp.sum(batch["mask"])
+    np.testing.assert_allclose(LOSS(p, batch), want, rtol=1e-6)
+    with_aux = jaxsync.weighted_loss(lambda p, b: (token_sum(p, b), {"n": b["mask"].sum()}),
+                                     lambda b: jnp.sum(b["mask"]))  # fmt: skip
+    loss, aux = with_aux(p, batch)
+    np.testing.assert_allclose(loss, want, rtol=1e-6)
+    assert int(aux["n"]) == int(np.sum(batch["mask"]))

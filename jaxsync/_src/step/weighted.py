@@ -22,15 +22,19 @@ class WeightedLoss:
     """A loss given as a sum over tokens (``sum_fn``) and their weight (``weight_fn``).
 
     Called directly it is the weighted mean of one batch, so the same object is the
-    single-device loss; :func:`jaxsync.train_step` divides the sums of every device and
-    microbatch by the weight of the whole global batch instead.
+    single-device loss (with ``(sum, aux)`` from ``sum_fn``: ``(mean, aux)``, as
+    ``has_aux=True`` steps take it); :func:`jaxsync.train_step` divides the sums of
+    every device and microbatch by the weight of the whole global batch instead.
     """
 
-    sum_fn: Callable[[Any, Any], jax.Array]
+    sum_fn: Callable[[Any, Any], Any]
     weight_fn: Callable[[Any], jax.Array]
 
-    def __call__(self, params: Any, batch: Any) -> jax.Array:
-        return self.sum_fn(params, batch) / self.weight_fn(batch)
+    def __call__(self, params: Any, batch: Any) -> Any:
+        out, weight = self.sum_fn(params, batch), self.weight_fn(batch)
+        if isinstance(out, tuple) and len(out) == 2:  # (loss sum, aux)
+            return out[0] / weight, out[1]
+        return out / weight
 
 
 def weighted_loss(
