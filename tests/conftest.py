@@ -12,7 +12,7 @@ import os
 # and the MLIR fusion emitters cost more than the suite's programs ever win back at
 # run time. Without them two of its longest tests take 63 s -> 37 s (no LLVM
 # optimisations) -> 18.5 s (the older elemental emitters too), and the whole suite
-# 17.8 -> 10.1 min on 2 cores. Fast math stays off, but sums may round in another
+# 24 -> 17.8 -> 11.9 min on 2 cores. Fast math stays off, but sums may round in another
 # order: test_layerwise's Adafactor bound says where that showed, and tests of
 # bitwise equality between programs of different shapes (deterministic mode at
 # several DP sizes) run in a process of their own with XLA's defaults

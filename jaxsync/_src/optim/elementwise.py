@@ -361,7 +361,7 @@ def check_elementwise(
         # It applies its inner optimizer to the gradients it accumulated: elementwise
         # exactly when the inner one is. Probed whole, its first k-1 steps give empty
         # updates on both sides and a mask or a global-norm clip inside went unseen.
-        tx = multi._opt
+        tx = multi.inner_opt
     if known_elementwise(tx):
         return
     path_leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
