@@ -52,7 +52,7 @@ def read_schedule(
             own = sum(price.values())
             step += own * n
             hot += [h for h in _hotspots(comp, sched, prog.insts, n) if PROBE not in h.op_name]
-            timings.append(ComputationTiming(comp.one("name"), n, own, "xla", {}, own + gaps))
+            timings.append(ComputationTiming(comp.one("name"), n, own, "xla", {}, own + gaps, own))
             continue
         stats = sched.one("scheduler_statistics", Message())
         per_us = float(sched.one("cycles_per_microsecond", 1))
@@ -70,7 +70,8 @@ def read_schedule(
         step += own * n
         for k, v in waste.items():
             exposed[k] = exposed.get(k, 0.0) + v
-        timings.append(ComputationTiming(comp.one("name"), n, own, "xla", waste, _span(sched)))
+        timings.append(ComputationTiming(comp.one("name"), n, own, "xla", waste, _span(sched),
+                                         _walk(sched, prog.insts)))  # fmt: skip
     # Skipped computations: the twin's price where it holds the same kernels; else
     # the roofline, scaled per kernel class (matmuls, the rest) by what XLA's model
     # charges over the roofline for the same class in the scheduled ones (launch
@@ -89,7 +90,10 @@ def read_schedule(
         by_roofline += roof * n
         source = "roofline" if roof and not own else ("xla+roofline" if roof else "xla")
         step += (own + roof) * n
-        timings.append(ComputationTiming(comp.one("name"), n, own + roof, source, {}, span + roof))
+        # nothing asynchronous in it: any walk of it is its kernels' sum
+        timings.append(
+            ComputationTiming(comp.one("name"), n, own + roof, source, {}, span + roof, own + roof)
+        )
     mem = {
         "arguments": memory.argument_size_in_bytes,
         "outputs": memory.output_size_in_bytes,
@@ -230,6 +234,33 @@ def _span(sched: Message) -> float:
     per_us = float(sched.one("cycles_per_microsecond", 1))
     ends = (e.one("end_timestamp_cycles", 0.0) for e in sched.all("instructions"))
     return max(ends, default=0.0) / per_us
+
+
+def _walk(sched: Message, insts) -> float:
+    """XLA's statistics rule replayed on the dumped (scheduled) order, in microseconds.
+
+    XLA's ``LatencyHidingStatistics`` walks an order adding each instruction's cost
+    and, at an async done, what is left of the start-to-done latency; it walks the
+    order from before the scheduler moved the collectives, so ``total_cycles`` does
+    not read the dumped schedule. This walk does. The dump holds no latency, so each
+    pair's span on the timeline (the start's end to the done's end) stands for it.
+    The scheduler's latency edge makes the span at least the latency: where the
+    scheduler waited on it, the span is the latency (0.1 us over the statistics' own
+    on a reduce-scatter alone, ``tests/test_readings.py``); where compute fills the
+    span, the wait is nil for either. Only a span stretched by something else and
+    not filled would read high.
+    """
+    per_us = float(sched.one("cycles_per_microsecond", 1))
+    now, at = 0.0, {}  # instruction id -> (walk time after it, its timeline end)
+    for e in sched.all("instructions"):
+        inst, end = insts[e.one("id")], e.one("end_timestamp_cycles", 0.0)
+        now += end - e.one("start_timestamp_cycles", 0.0)
+        operands = inst.all("operand_ids")
+        if inst.one("opcode").endswith("-done") and operands and operands[0] in at:
+            t, start_end = at[operands[0]]
+            now += max(0.0, (end - start_end) - (now - t))
+        at[inst.one("id")] = (now, end)
+    return now / per_us
 
 
 def _count_runs(comp: Message, n: int, comps, insts, runs: dict[int, int]) -> None:
