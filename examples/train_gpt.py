@@ -469,7 +469,7 @@ def train(
         console.print(f"resumed from step {r.step} (next batch {start}) in {ckpt.directory}")
 
     console.print(
-        f"jaxsync GPT: {sum(p.size for p in jax.tree.leaves(state.params)):,} params "
+        f"jaxsync GPT: {sum(p.size for p in jax.tree.leaves(train_step.params(state))):,} params "
         f"({model_cfg.dtype}), {jax.device_count()} devices on {info.num_processes} "
         f"process(es) [{jax.default_backend()}], optimizer={t['optimizer']}, "
         f"global batch {t['global_batch']} x {model_cfg.seq_len} tokens"
@@ -483,7 +483,7 @@ def train(
         highlight=False,
     )
     if zero and lead:
-        console.print(tx.layout(state.params, mesh).summary())
+        console.print(tx.layout(train_step.params(state), mesh).summary())
 
     per_proc = t["global_batch"] // jax.process_count()
     rows = slice(jax.process_index() * per_proc, (jax.process_index() + 1) * per_proc)
@@ -501,7 +501,7 @@ def train(
                 {
                     "config": cfg,
                     "data": about,
-                    "params": int(sum(p.size for p in jax.tree.leaves(state.params))),
+                    "params": int(sum(p.size for p in jax.tree.leaves(train_step.params(state)))),
                     "devices": jax.device_count(),
                     "processes": jax.process_count(),
                     "backend": jax.default_backend(),
@@ -567,7 +567,7 @@ def train(
                     "lr": float(schedule(step)),
                 }
                 if evaluate:
-                    record["val_loss"] = float(eval_step(state.params, val_batches))
+                    record["val_loss"] = float(eval_step(train_step.params(state), val_batches))
                 record["grad_norm"] = float(state.metrics.grad_norm)  # the same in both modes
                 record["skipped_steps"] = int(state.metrics.skipped_steps)
                 history.append(record)

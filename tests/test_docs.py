@@ -588,12 +588,13 @@ def check_gpu_target(ns: dict, ctx: SimpleNamespace) -> None:
     bwd = {c.computation for c in sites.in_loop("reduce-scatter", role="backward")}
     timed = [c for c in report.collectives if c.computation in bwd]
     assert timed and all(c.overlap_ops > 0 and not c.is_sync for c in timed)
-    # memory per GPU: the bf16 params whole, fp32 master and both AdamW moments 1/64
+    # memory per GPU between steps: fp32 master and both AdamW moments 1/64, and no
+    # bf16 params (the stacked group lives in the master shards, gathered per layer)
     n, elements = 64, sum(x.size for x in jax.tree.leaves(ns["shapes"]))
     opt = sum(x.size * 4 for x in jax.tree.leaves(state.opt_state) if x.size > n) // n
     assert 12 * elements / n <= opt <= 12 * (elements / n + 64)
     rows = ns["batch"].size * 4 // n
-    assert 0 <= report.memory["arguments"] - (2 * elements + opt + rows) < 256
+    assert 0 <= report.memory["arguments"] - (opt + rows) < 256
 
 
 @dataclasses.dataclass(frozen=True)

@@ -35,6 +35,7 @@ from jax.sharding import PartitionSpec as P
 
 from ..core.names import param_name
 from ..fsdp import shards as fsdp_shards
+from ..step.held import strip
 from ..step.train_state import TrainState
 from ..step.two_d import portable as two_d_portable
 from .checksum import tree_checksums
@@ -104,6 +105,8 @@ def to_portable(ts: Any, state: TrainState, fn: str) -> dict[str, Any]:
     if plan.dims is not None:
         params, opt, guard = two_d_portable.to_portable(ts, plan, state, fn)
     elif ts.mode.name == "zero":
+        if plan.held:  # the params as the user wrote them, from the master shards
+            params = ts.params(state)
         opt = plan.tx.to_portable(opt, params, ts.mesh)
     elif ts.mode.name == "fsdp":
         params = plan.fs.unshard(params, ts.mesh)
@@ -127,7 +130,10 @@ def portable_like(ts: Any, like: TrainState, fn: str) -> dict[str, Any]:
     if plan.dims is not None:
         params, opt, guard = two_d_portable.portable_like(ts, plan, like, fn)
     elif ts.mode.name == "zero":
-        opt = plan.tx.portable_shapes(like.params, ts.mesh)
+        if plan.held:
+            rep = NamedSharding(ts.mesh, P())
+            params = jax.tree.map(lambda t: sds(t, rep), plan.template)
+        opt = plan.tx.portable_shapes(params, ts.mesh)
     elif ts.mode.name == "fsdp":
         rep = NamedSharding(ts.mesh, P())
         params = jax.tree.map(lambda t: jax.ShapeDtypeStruct(t.shape, jnp.float32, sharding=rep),
@@ -156,6 +162,7 @@ def from_portable(ts: Any, portable: dict[str, Any], like: TrainState, fn: str) 
         params, opt, guard = two_d_portable.from_portable(ts, plan, portable, like)
     elif ts.mode.name == "zero":
         opt = plan.tx.from_portable(opt, params, ts.mesh)
+        params = strip(params, plan.held)
     elif ts.mode.name == "fsdp":
         params = plan.fs.shard(params, ts.mesh)
         opt = fsdp_shards.from_portable(plan.fs, opt, plan.template, ts.mesh)
@@ -204,7 +211,7 @@ def save_state(
     checks = {
         "version": 1,
         WHOLE_STATE: {"version": _VERSION, "mode": ts.mode.name},
-        "optimizer": describe_optimizer(tx, state.params, portable["opt_state"]),
+        "optimizer": describe_optimizer(tx, portable["params"], portable["opt_state"]),
         "checksums": tree_checksums(tree),
     }
     ckpt._write(step, tree, meta, checks)
@@ -240,7 +247,7 @@ def restore_state(
     target = {**like, "extra": extra}
     tx = _described_tx(ts, state_like, fn)
     changed = optimizer_differences(
-        checks.get("optimizer", {}), describe_optimizer(tx, state_like.params, like["opt_state"])
+        checks.get("optimizer", {}), describe_optimizer(tx, like["params"], like["opt_state"])
     )
     problems = compare_trees(saved, target) or changed
     if problems:

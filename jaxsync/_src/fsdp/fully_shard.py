@@ -31,6 +31,7 @@ from ..core.validate import check_bool, check_float_params
 from ..layout.layout import Layout
 from ..layout.placement import normalize_stacked, stack_layers
 from ..layout.records import BufferKey
+from ..sync.views import GATHERED
 from .gather import MixedPrecision, cast_floats, gather_shard, reduce_shard
 from .grad import check_microbatches as check_microbatches
 from .grad import value_and_grad as _value_and_grad
@@ -46,10 +47,6 @@ from .view import group_trees
 from .view import view as _view
 
 PyTree = Any
-
-#: ``checkpoint_name`` of a gathered stacked layer (for remat policies).
-GATHERED = "jaxsync_gathered_layer"
-
 
 class FullyShard:
     """A model's params split into units, each a flat fp32 buffer sharded over ranks.

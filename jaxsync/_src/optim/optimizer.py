@@ -308,7 +308,11 @@ def distributed_optimizer(
         return updates, state
 
     def apply_fn(
-        grads: PyTree, state: DistributedOptimizerState, params: PyTree, fn: str
+        grads: PyTree,
+        state: DistributedOptimizerState,
+        params: PyTree,
+        fn: str,
+        held: frozenset[int] = frozenset(),
     ) -> tuple[PyTree, DistributedOptimizerState]:
         bound_axes(axes, fn)
         layout = cfg.layout_inside(params)
@@ -361,7 +365,9 @@ def distributed_optimizer(
         grad_norm = jnp.sqrt(total[0])
         num_zeros = jnp.round(total[1] - padding).astype(jnp.int32)
         finite = jnp.isfinite(grad_norm)
-        return apply_shards(cfg, layout, shards, state, params, grads, grad_norm, num_zeros, finite)
+        return apply_shards(
+            cfg, layout, shards, state, params, grads, grad_norm, num_zeros, finite, held=held
+        )
 
     tx = DistributedOptimizer(init_fn, update_fn)
     tx.__dict__["config"] = cfg
@@ -380,10 +386,13 @@ def apply_shards(
     num_zeros: jax.Array,
     finite: jax.Array,
     unit_flags: jax.Array | None = None,
+    held: frozenset[int] = frozenset(),
 ) -> tuple[PyTree, DistributedOptimizerState]:
     """The step after the reduction: clip, inner update on the shard, master, gather.
 
-    Returns the new params (gathered, in their own dtypes) and the new state.
+    Returns the new params (gathered, in their own dtypes) and the new state. The
+    buffers in ``held`` are not gathered (their leaves come back as in ``params``):
+    the step gathers them layer by layer in the next forward instead.
     """
     if cfg.clip_grad_norm is not None:
         # Same arithmetic as optax.clip_by_global_norm, so results match it.
@@ -408,7 +417,7 @@ def apply_shards(
         new_master.append(jax.lax.optimization_barrier(master + upd))
         # Gather the new params in their own dtype (bf16: half the bytes).
         out.append(new_master[-1].astype(buf.key.dtype))
-    gathered = gather_params(tuple(out), layout, cfg.axes, params)
+    gathered = gather_params(tuple(out), layout, cfg.axes, params, skip=held)
     new_state = DistributedOptimizerState(
         master=tuple(new_master),
         inner_state=tuple(new_inner),

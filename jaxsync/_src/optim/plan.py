@@ -20,6 +20,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from ..core.axes import varying_axes
+from ..core.held import check_not_held
 from ..core.introspect import is_muon
 from ..core.names import group_of, param_name
 from ..core.specs import local_shape, param_specs_of, spec_axes
@@ -148,6 +149,7 @@ class Plan:
 
     def layout_inside(self, params: PyTree) -> Layout:
         """Layout inside shard_map: local shapes, varying axes from the params' types."""
+        check_not_held(params, "distributed_optimizer")
         mesh_shape = dict(jax.sharding.get_abstract_mesh().shape)
         dp = set(self.axes)
         dp_only = dp - self.expert_axes()
@@ -158,6 +160,7 @@ class Plan:
         self, params: PyTree, mesh: Mesh, param_specs: PyTree = None
     ) -> tuple[Layout, PyTree, PyTree]:
         """Layout from global params (outside shard_map): (layout, local params, specs)."""
+        check_not_held(params, "distributed_optimizer")
         check_param_leaves(params, "distributed_optimizer")
         specs = param_specs_of(params, param_specs)
         check_param_specs(params, specs, mesh)

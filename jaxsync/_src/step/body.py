@@ -17,7 +17,8 @@ import jax.numpy as jnp
 from ..deterministic.exact import nonfinite_flags
 from ..fsdp.grad import split_microbatches
 from ..sync.grad_sync import accumulate_grads, all_reduce_grads, value_and_grad
-from ..sync.scan_sync import DataParallel
+from ..sync.scan_sync import DataParallel, sync_value_and_grad
+from .held import gather_held, held_buffers, master_rows, stand_ins, strip
 from .modes import deterministic_of
 from .parts import Plan, finish, loss_of, outputs, settle, unscale
 from .train_state import TrainState, global_stats, padding_of
@@ -50,16 +51,48 @@ def grads_of(cfg: Any, plan: Plan, state: TrainState, batch: Any, sync: Any) -> 
 
 def zero_body(cfg: Any, plan: Plan, state: TrainState, batch: Any) -> tuple[TrainState, Any]:
     tx = plan.tx
-    (loss, rest), grads = grads_of(cfg, plan, state, batch, tx if cfg.stacked else None)
-    params, opt_state = tx.apply_gradients(grads, state.opt_state, state.params)
+    if plan.held:
+        (loss, rest), grads, params = held_grads(cfg, plan, state, batch)
+        new_params, opt_state = tx.__dict__["apply_fn"](
+            grads, state.opt_state, params, "jaxsync.train_step",
+            held=held_buffers(tx.__dict__["config"].layout_inside(params), plan.held),
+        )  # fmt: skip
+        new_params = strip(new_params, plan.held)
+    else:
+        (loss, rest), grads = grads_of(cfg, plan, state, batch, tx if cfg.stacked else None)
+        new_params, opt_state = tx.apply_gradients(grads, state.opt_state, state.params)
     finite = jnp.logical_not(opt_state.metrics.skipped)
     new = state._replace(
         step=state.step + finite.astype(jnp.int32),
-        params=params,
+        params=new_params,
         opt_state=opt_state,
         model_state=settle(rest.model_state, state.model_state, finite),
     )
     return new, outputs(cfg, loss, rest, state)
+
+
+def held_grads(cfg: Any, plan: Plan, state: TrainState, batch: Any) -> tuple[Any, Any, Any]:
+    """ZeRO's gradients with the stacked groups held as master shards (:mod:`held`):
+    ``((loss, rest), sharded grads, the full params tree the optimizer reads)``.
+
+    One microbatch: each layer is gathered in the forward, by its tap. With several,
+    the earlier microbatches need the whole stack, so it is gathered once first.
+    """
+    tx = plan.tx
+    params = stand_ins(state.params, plan.template, plan.held)
+    layout = tx.__dict__["config"].layout_inside(params)
+    master = state.opt_state.master
+    if cfg.microbatches == 1:
+        rows = master_rows(layout, master, plan.held)
+        loss = loss_of(cfg, plan, state, batch)
+        out, grads = sync_value_and_grad(
+            loss, tx, params, (batch,), has_aux=True, held=rows,
+            reshard=cfg.mode.reshard_after_forward, fn="jaxsync.train_step",
+        )  # fmt: skip
+        return out, grads, params
+    params = gather_held(layout, master, cfg.axis_name, params, plan.held)
+    out, grads = grads_of(cfg, plan, state._replace(params=params), batch, tx)
+    return out, grads, params
 
 
 def ddp_body(cfg: Any, plan: Plan, state: TrainState, batch: Any) -> tuple[TrainState, Any]:

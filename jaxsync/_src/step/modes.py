@@ -84,13 +84,28 @@ class ZeRO(_Bucketed):
     each rank updating its shard of the fp32 master weights and optimizer state, then
     all-gathering the params. The default mode.
 
-    Attributes: as :class:`DDP`'s.
+    On a 1-D mesh, stacked-layer groups (``stacked=``) are held only as the master
+    shards and gathered layer by layer in the next forward, where the gather overlaps
+    compute (Megatron's ``overlap_param_gather``); read the params with
+    ``step.params(state)``.
+
+    Attributes: as :class:`DDP`'s, and
+      reshard_after_forward: free each layer gathered in the forward and gather it
+        again in the backward (FSDP's reshard). Default False: the gathered layers are
+        kept for the backward, whatever the layer body's remat policy (the memory of
+        the params whole, as ZeRO-1 holds them), so each layer is gathered once.
 
     Example:
       >>> step = jaxsync.train_step(loss_fn, optax.adamw(1e-3), mesh, jaxsync.ZeRO())
     """
 
+    reshard_after_forward: bool = False
+
     name: ClassVar[str] = "zero"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_bool(self.reshard_after_forward, "ZeRO.reshard_after_forward")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,7 +156,7 @@ MODE_OPTIONS = {
     "deterministic": (DDP, ZeRO),
     "units": (FSDP,),
     "policy": (FSDP,),
-    "reshard_after_forward": (FSDP,),
+    "reshard_after_forward": (FSDP, ZeRO),
 }
 
 

@@ -36,6 +36,7 @@ class Plan:
     specs: TrainState
     fn: Callable[..., Any]
     dims: Any = None  # a two_d.plan.SpecLayout when params are sharded over other axes
+    held: tuple[str, ...] = ()  # ZeRO's stacked groups held as master shards (see held.py)
 
 
 class LossAux(NamedTuple):

@@ -49,6 +49,7 @@ from .checks import (
     check_state_alive,
     check_state_mesh,
 )
+from .held import held_groups, strip, whole_params
 from .modes import DDP, Mode, ZeRO, deterministic_of
 from .nnx_bridge import is_graphdef, is_module, merge_split, split_model
 from .parts import Plan
@@ -168,7 +169,7 @@ class TrainStep:
         mesh, axes, rep = self.mesh, self.axis_name, NamedSharding(self.mesh, P())
         n_leaves = len(jax.tree.leaves(params))
         template = _template(params)
-        fs, tx, mode = None, self.tx, self.mode
+        fs, tx, mode, groups = None, self.tx, self.mode, ()
         if isinstance(mode, ZeRO):
             tx = distributed_optimizer(
                 self.tx, axis_name=axes, bucket_size=mode.bucket_size,
@@ -178,7 +179,9 @@ class TrainStep:
             )  # fmt: skip
             opt_state = tx.sharded_init(params, mesh)
             opt_specs = tx.state_specs(params, mesh)
-            param_specs, held, n_flags = jax.tree.map(lambda _: P(), params), params, n_leaves
+            groups = held_groups(tx, template, mesh, mode, self.stacked)
+            held, n_flags = strip(params, groups), n_leaves
+            param_specs = jax.tree.map(lambda _: P(), held)
         elif isinstance(mode, DDP):
             init = jax.shard_map(self.tx.init, mesh=mesh, in_specs=(P(),), out_specs=P())
             opt_state = jax.jit(init)(params)
@@ -211,7 +214,8 @@ class TrainStep:
             model_state=jax.tree.map(lambda _: P(), rest),
             guard=jax.tree.map(lambda _: P(), guard),
         )  # fmt: skip
-        return state, Plan(model, template, tx, fs, specs, None)  # type: ignore[arg-type]
+        plan = Plan(model, template, tx, fs, specs, None, held=groups)  # type: ignore[arg-type]
+        return state, plan
 
     def _register(self, state: TrainState, plan: Plan) -> None:
         object.__setattr__(plan, "fn", self._build(plan))
@@ -320,6 +324,10 @@ class TrainStep:
         plan = self._plan(state, "TrainStep.params")
         if plan.dims is not None:
             return spec_params(self, plan, state)
+        if plan.held:
+            return whole_params(
+                plan.tx, state.opt_state, state.params, plan.template, plan.held, self.mesh
+            )
         if plan.fs is None:
             return state.params
         full = plan.fs.unshard(state.params)
@@ -339,7 +347,7 @@ class TrainStep:
             return plan.fs.unshard(state.params)
         if isinstance(self.mode, DDP):
             return jax.tree.map(lambda x: x.astype(jnp.float32), state.params)
-        master = plan.tx.to_portable(state.opt_state, state.params, self.mesh)["master"]
+        master = plan.tx.to_portable(state.opt_state, plan.template, self.mesh)["master"]
         return jax.tree_util.tree_map_with_path(
             lambda path, _: master[param_name(path)], plan.template
         )

@@ -4,6 +4,12 @@
 ``value_and_grad(sync=...)``; its tap is a custom VJP whose backward packs the
 layer's gradient into its buckets and reduce-scatters (or all-reduces) them in the
 iteration that computes it, so the collectives overlap the rest of the backward.
+
+A view may also hold the distributed optimizer's master rows instead of the params
+(``TapSpec.gathered``): its tap then all-gathers the layer in the forward, in the
+params' dtype, where it overlaps the previous layer's compute (Megatron's
+``overlap_param_gather``), so the step needs no gather of the stacked params
+after its update.
 """
 
 from __future__ import annotations
@@ -15,12 +21,13 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from ..core.axes import to_varying, varying_axes
 from ..layout.layout import Layout
 from .collectives import buffer_axes, reduce_bucket, scale_by
 from .tap_rules import TAP_NAME, WHOLE_STACK
-from .views import NOT_TAPPED
+from .views import GATHERED, NOT_TAPPED
 
 PyTree = Any
 
@@ -40,6 +47,9 @@ class TapSpec:
     # Positions (in the group's leaf order) of leaves not synced in the loop: those
     # of whole-matrix optimizers, whose gradient leaves the scan and is reduced after.
     passthrough: tuple[int, ...] = ()
+    # The group's treedef when the view holds master rows (one [L, shard] per
+    # buffer) and the tap gathers each layer from them; None: it holds the params.
+    gathered: Any = None
 
 
 @jax.tree_util.register_pytree_node_class
@@ -62,11 +72,17 @@ class LayerStack:
     def tree_unflatten(cls, spec: TapSpec, children: Any) -> LayerStack:
         return cls(*children, spec)
 
-    holds_shards = False  # the model's params are in it (FSDP's views hold shards)
+    @property
+    def holds_shards(self) -> bool:
+        """Whether the model sees placeholders until the tap gathers a layer (master
+        rows, as FSDP's views), not the params themselves."""
+        return getattr(self.spec, "gathered", None) is not None
 
     def jaxsync_tap(self) -> PyTree:
         """This layer's params; its gradient reduced in the backward loop (:func:`tap`)."""
         spec = self.spec
+        if spec.gathered is not None:
+            return _gathered_tap(spec, self.params, self.sinks, self.acc)
         leaves = _synced(spec, jax.tree.leaves(self.params))
         for si, leaf in zip(spec.slots, leaves, strict=True):
             slot = spec.layout.slots[si]
@@ -94,8 +110,42 @@ class LayerStack:
         raise TypeError(NOT_TAPPED.format(group=self.spec.group))
 
 
+def _gathered_tap(spec: TapSpec, rows: tuple[jax.Array, ...], sinks: Any, acc: Any) -> PyTree:
+    """The tap of a view holding master rows: checks it got one layer's rows."""
+    layout = spec.layout
+    for bi, row in zip(spec.buffers, rows, strict=True):
+        want = (layout.shard_size(bi),)
+        if tuple(row.shape) != want:
+            what = f"master rows of shape {tuple(row.shape)}; one layer's row has shape {want}"
+            raise ValueError(WHOLE_STACK.format(group=spec.group, what=what))
+    layer = _tap_of(spec.group, True)(spec, rows, sinks, acc)
+    # Named, so a remat policy keeps the gathered layer for the backward (ZeRO's
+    # step adds the name to every policy around the tap: remat_keep.keep_gathered).
+    return jax.tree.map(lambda x: checkpoint_name(x, GATHERED), layer)
+
+
+def gather_layer(spec: TapSpec, rows: tuple[jax.Array, ...]) -> PyTree:
+    """One layer's params from this rank's master rows: cast to each buffer's
+    dtype, all-gathered bucket by bucket, unpacked into the group's subtree.
+
+    Gathered device-varying (no ``to="invarying"``): typed replicated, JAX would
+    psum the layer's cotangent before the tap's backward reduces it.
+    """
+    layout = spec.layout
+    by_slot: dict[int, jax.Array] = {}
+    for bi, row in zip(spec.buffers, rows, strict=True):
+        dtype = jnp.dtype(layout.buffers[bi].key.dtype)
+        axes = buffer_axes(layout, bi, spec.axes)
+        pieces = [
+            jax.lax.all_gather(p.astype(dtype), axes, axis=0, tiled=True)
+            for p in layout.split_shard(bi, row)
+        ]
+        by_slot.update(layout.unpack_leaves([pieces], [bi], rows=True))
+    return jax.tree.unflatten(spec.gathered, [by_slot[si] for si in spec.slots])
+
+
 @functools.cache
-def _tap_of(group: str) -> Callable[..., PyTree]:
+def _tap_of(group: str, gathers: bool = False) -> Callable[..., PyTree]:
     """The tap's custom_vjp for ``group``, named so the jaxpr shows which group it taps
     (:mod:`tap_rules` reads the taps from there)."""
 
@@ -103,9 +153,14 @@ def _tap_of(group: str) -> Callable[..., PyTree]:
         del spec, sinks, acc
         return params
 
-    tap_impl.__name__ = tap_impl.__qualname__ = TAP_NAME.format(group=group)
-    fn = jax.custom_vjp(tap_impl, nondiff_argnums=(0,))
-    fn.defvjp(_tap_fwd, _tap_bwd)
+    def gather_impl(spec: TapSpec, rows: Any, sinks: Any, acc: Any) -> PyTree:
+        del sinks, acc
+        return gather_layer(spec, rows)
+
+    impl = gather_impl if gathers else tap_impl
+    impl.__name__ = impl.__qualname__ = TAP_NAME.format(group=group)
+    fn = jax.custom_vjp(impl, nondiff_argnums=(0,))
+    fn.defvjp(_gather_fwd if gathers else _tap_fwd, _gather_bwd if gathers else _tap_bwd)
     return fn
 
 
@@ -115,6 +170,16 @@ def _tap_fwd(spec: TapSpec, params: PyTree, sinks: Any, acc: Any) -> tuple[PyTre
     # and device-varying axes), never their values.
     like = jax.tree.map(lambda s: _like(jnp.zeros((0,), s.dtype), s), sinks)
     return params, (acc, like)
+
+
+def _gather_fwd(spec: TapSpec, rows: Any, sinks: Any, acc: Any) -> tuple[PyTree, Any]:
+    return _tap_fwd(spec, gather_layer(spec, rows), sinks, acc)
+
+
+def _gather_bwd(spec: TapSpec, res: Any, ct: PyTree) -> tuple[None, Any, None]:
+    # The master rows get no cotangent: the layer's reduced gradient goes to the sinks.
+    _, sinks_ct, _ = _tap_bwd(spec, res, ct)
+    return None, sinks_ct, None
 
 
 def _tap_bwd(spec: TapSpec, res: Any, ct: PyTree) -> tuple[None, Any, None]:

@@ -18,7 +18,7 @@ distributed optimizer, sharded: ZeRO-2).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -32,6 +32,7 @@ from ..layout.records import BufferKey
 from .collectives import buffer_axes, mean_factor, reduce_bucket, reduce_scatter_packed, scale_by
 from .finalize import SyncRules, local_view, sync_keys
 from .layer_tap import LayerStack, TapSpec
+from .remat_keep import keep_gathered
 from .tap_rules import check_taps
 from .views import call_with_views
 
@@ -138,6 +139,8 @@ def sync_value_and_grad(
     has_aux: bool = False,
     acc: PyTree | None = None,
     microbatches: int = 1,
+    held: Mapping[str, tuple[jax.Array, ...]] | None = None,
+    reshard: bool = False,
     fn: str = "jaxsync.value_and_grad",
 ) -> tuple[Any, Any]:
     """``fun(params, *args)``'s value and gradients, reduced as ``sync`` plans.
@@ -146,6 +149,13 @@ def sync_value_and_grad(
       acc: local gradients summed over earlier microbatches (fp32, shaped like
         the params), added before the reduction so the step syncs once.
       microbatches: divides the reduced sum, so the result is the mean.
+      held: stacked groups whose params a distributed optimizer holds only as its
+        master shards: ``{group: this rank's master rows}``, one ``[layers, shard]``
+        array per buffer of the group. Their view gathers each layer in the
+        forward (:func:`layer_tap.gather_layer`); the group's leaves in ``params``
+        only give shapes and dtypes and are never read. Every remat around their
+        taps keeps the gathered layers for the backward (:mod:`remat_keep`)
+        unless ``reshard``.
 
     Returns:
       ``(value, grads)``: grads are :class:`ShardedGrads` for a distributed
@@ -166,10 +176,14 @@ def sync_value_and_grad(
 
     specs, sinks, accs = {}, {}, {}
     names = [param_name(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+    held = dict(held or {})
+    subtrees = _subtrees(params, held) if held else {}
     for group, bufs in stacks.items():
         members = [i for i in range(len(leaves)) if in_group(names[i], group)]
         slots = tuple(i for i in members if i in in_stack and layout.slots[i].buffer in bufs)
         passthrough = tuple(j for j, i in enumerate(members) if i not in slots)
+        if group in held:
+            _check_held(group, held[group], layout, bufs, passthrough, plan.scatter)
         specs[group] = TapSpec(
             group,
             layout,
@@ -180,6 +194,7 @@ def sync_value_and_grad(
             plan.reduce_dtype,
             factor,
             passthrough,
+            subtrees.get(group),
         )
         flag_sink = to_varying(
             jnp.zeros((layout.buffers[bufs[0]].layers, len(slots)), jnp.float32), plan.axes
@@ -214,7 +229,10 @@ def sync_value_and_grad(
         view = jax.tree_util.tree_map_with_path(
             lambda path, sub: (
                 LayerStack(
-                    sub, sinks[param_name(path)], accs[param_name(path)], specs[param_name(path)]
+                    held.get(param_name(path), sub),
+                    sinks[param_name(path)],
+                    accs[param_name(path)],
+                    specs[param_name(path)],
                 )
                 if param_name(path) in specs
                 else sub
@@ -230,6 +248,8 @@ def sync_value_and_grad(
     free_in = [varying[i] for i in free]
     closed, out_shape = jax.make_jaxpr(f, return_shape=True)(free_in, sinks)
     check_taps(closed.jaxpr, tuple(specs), plan.axes, acc is not None)
+    if held and not reshard:
+        closed = keep_gathered(closed, held)
     out_tree = jax.tree.structure(out_shape)
 
     def traced(free_leaves: list[Any], sinks: dict[str, Any]) -> Any:
@@ -280,6 +300,39 @@ def sync_value_and_grad(
     order = tuple(range(len(layout.buffers)))
     reduced = layout.unpack_leaves([per_buffer[bi] for bi in order], order)
     return out, jax.tree.unflatten(treedef, [reduced[i] for i in range(len(leaves))])
+
+
+def _subtrees(params: PyTree, groups: Mapping[str, Any]) -> dict[str, Any]:
+    """The treedef of each of ``groups``' subtrees in ``params``."""
+    out: dict[str, Any] = {}
+
+    def grab(path: Any, sub: Any) -> Any:
+        out[param_name(path)] = jax.tree.structure(sub)
+        return sub
+
+    jax.tree_util.tree_map_with_path(
+        grab, params, is_leaf=lambda path, _: param_name(path) in groups, is_leaf_takes_path=True
+    )
+    missing = sorted(set(groups) - set(out))
+    if missing:
+        raise ValueError(f"`held` names groups {missing} that `params` does not hold.")
+    return out
+
+
+def _check_held(
+    group: str, rows: Sequence[jax.Array], layout: Layout, bufs: tuple[int, ...],
+    passthrough: tuple[int, ...], scatter: bool,
+) -> None:  # fmt: skip
+    """A held group: a distributed optimizer's rows, one ``[layers, shard]`` per buffer,
+    every leaf reduced in the loop (a whole-matrix leaf needs its params whole)."""
+    want = [(layout.buffers[bi].layers, layout.shard_size(bi)) for bi in bufs]
+    got = [tuple(r.shape) for r in rows]
+    if not scatter or passthrough or got != want:
+        raise ValueError(
+            f"`held` group {group!r}: needs a distributed optimizer's master rows of shapes "
+            f"{want} with every leaf synced in the loop; got shapes {got} (scatter={scatter}, "
+            f"{len(passthrough)} leaves of whole-matrix optimizers)."
+        )
 
 
 class ShardedGrads(NamedTuple):

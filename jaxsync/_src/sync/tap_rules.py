@@ -117,6 +117,11 @@ def _custom_name(eqn: Any) -> str:
     return str(getattr(info, "func_name", ""))
 
 
+def tap_group(eqn: Any) -> str | None:
+    """The stacked group a jaxpr equation taps, or None (not a tap, or an empty shell)."""
+    return _group_of(eqn)
+
+
 def _group_of(eqn: Any) -> str | None:
     name = _custom_name(eqn)
     if not name or not (eqn.invars or eqn.outvars):  # no name, or an empty shell

@@ -14,6 +14,10 @@ import contextvars
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+#: The name of every gathered layer (FSDP's, and ZeRO's gathered in the forward), so
+#: a remat policy can keep them: ``save_only_these_names(GATHERED)``.
+GATHERED = "jaxsync_gathered_layer"
+
 #: Where the model frameworks' layer loops get their taps from jaxsync.
 SCAN_HELPERS = (
     "flax linen: build the stack with `jaxsync.linen_scan(Block, length=L)` in place of "

@@ -19,9 +19,8 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from ...core.axes import to_varying, varying_axes
-from ...fsdp.fully_shard import GATHERED
 from ...sync.tap_rules import TAP_NAME, WHOLE_STACK
-from ...sync.views import SCAN_HELPERS
+from ...sync.views import GATHERED, SCAN_HELPERS
 from .dims import DimPlan, DimSync, gather, reduce
 
 PyTree = Any

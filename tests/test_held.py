@@ -1,0 +1,110 @@
+"""ZeRO's stacked layers held as master shards and gathered in the forward.
+
+A 1-D ``"zero"`` step keeps each stacked group only as the distributed optimizer's
+fp32 master rows and gathers every layer in the next forward (Megatron's
+``overlap_param_gather``), keeping it for the backward whatever the remat policy
+(`jaxsync._src.sync.remat_keep`). These tests hold it to single-device optax (SGD
+too: its update shows a gradient's scale), count the gathers of a compiled step,
+and check what ``state.params`` and ``step.params`` say.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from helpers import count_collectives, run_reference, scanned_batches, scanned_loss, scanned_params
+
+import jaxsync
+from jaxsync._src.core.held import HeldLayers
+
+LAYERS = 4
+
+
+def _train(mesh, tx, mode, batches, microbatches=1, **kw):
+    step = jaxsync.train_step(scanned_loss, tx, mesh, mode, stacked="blocks",
+                              microbatches=microbatches, **kw)  # fmt: skip
+    state = step.init(scanned_params(jax.random.key(0), layers=LAYERS))
+    xs, ys = batches
+    for i in range(xs.shape[0]):
+        state, _ = step(state, (xs[i], ys[i]))
+    return step, state
+
+
+def _assert_close(got, want, rtol=2e-5, atol=2e-6):
+    for (path, g), w in zip(
+        jax.tree_util.tree_flatten_with_path(got)[0], jax.tree.leaves(want), strict=True
+    ):
+        np.testing.assert_allclose(g, w, rtol=rtol, atol=atol, err_msg=jaxsync.param_name(path))
+
+
+@pytest.mark.parametrize(
+    ("opt", "microbatches", "reshard"),
+    [
+        ("sgd", 1, False),
+        ("adamw_clip", 1, False),
+        ("adamw_clip", 1, True),
+        ("sgd", 2, False),
+    ],
+)
+def test_a_held_stack_trains_as_single_device_optax(mesh8, opt, microbatches, reshard):
+    tx, clip = {"sgd": (optax.sgd(0.1), None), "adamw_clip": (optax.adamw(3e-2), 0.05)}[opt]
+    batches = scanned_batches(jax.random.key(1), steps=3, batch=32)
+    mode = jaxsync.ZeRO(reshard_after_forward=reshard)
+    step, state = _train(mesh8, tx, mode, batches, microbatches, clip_grad_norm=clip)
+    assert isinstance(state.params["blocks"], HeldLayers)
+    ref = tx if clip is None else optax.chain(optax.clip_by_global_norm(clip), tx)
+    want, _ = run_reference(ref, scanned_params(jax.random.key(0), layers=LAYERS), batches,
+                            loss_fn=scanned_loss)  # fmt: skip
+    _assert_close(step.params(state), want)
+    _assert_close(step.master(state), want)
+    # the stack moved well beyond the tolerance (a step that skipped it would fail above)
+    moved = step.params(state)["blocks"]["w1"] - scanned_params(jax.random.key(0))["blocks"]["w1"]
+    assert float(jnp.max(jnp.abs(moved))) > 1e-3
+
+
+def test_state_params_point_to_step_params(mesh8):
+    batches = scanned_batches(jax.random.key(1), steps=1, batch=16)
+    step, state = _train(mesh8, optax.adam(1e-3), "zero", batches)
+    assert "step.params(state)" in repr(state.params["blocks"])
+    with pytest.raises(TypeError, match=r"state.params\['blocks'\].*step.params\(state\)"):
+        state.params["blocks"]["w1"]
+    # the rest of the params are the params; the count of the whole model is right
+    full = step.params(state)
+    assert state.params["inp"]["w"] is not None and "blocks" in full
+    want = sum(x.size for x in jax.tree.leaves(scanned_params(jax.random.key(0), layers=LAYERS)))
+    assert sum(x.size for x in jax.tree.leaves(full)) == want
+    # no GPU holds the stack whole between steps: only its master shards, 1/8 each
+    device = jax.devices()[0]
+    held = sum(s.data.nbytes for x in jax.tree.leaves(state.params)
+               for s in x.addressable_shards if s.device == device)  # fmt: skip
+    rest = [x for k, sub in full.items() if k != "blocks" for x in jax.tree.leaves(sub)]
+    assert held == sum(x.nbytes for x in rest)
+
+
+def test_explicit_optimizer_calls_name_the_held_params(mesh8):
+    batches = scanned_batches(jax.random.key(1), steps=1, batch=16)
+    step, state = _train(mesh8, optax.adam(1e-3), "zero", batches)
+    tx = step.optimizer(state)
+    with pytest.raises(TypeError, match=r"distributed_optimizer: state.params\['blocks'\]"):
+        tx.layout(state.params, mesh8)
+    assert len(tx.layout(step.params(state), mesh8).slots) == 6
+
+
+@pytest.mark.parametrize("reshard", [False, True])
+def test_each_layer_is_gathered_once_per_step_unless_resharded(mesh8, reshard):
+    """The forward gathers each layer; the backward gathers again only with
+    ``reshard_after_forward`` (the remat policy keeps the gathered layer otherwise).
+    Counted in the compiled CPU step: one stacked buffer, so one all-gather per layer
+    per pass, each inside a loop that runs LAYERS times."""
+    batches = scanned_batches(jax.random.key(1), steps=1, batch=16)
+    step, state = _train(mesh8, optax.adam(1e-3), jaxsync.ZeRO(reshard_after_forward=reshard),
+                         batches)  # fmt: skip
+    compiled = step.lower(state, (batches[0][0], batches[1][0])).compile()
+    loops = jaxsync.overlap_report(compiled).in_loop(kind="all-gather")
+    assert {c.trip_count for c in loops} == {LAYERS}
+    assert len(loops) == (2 if reshard else 1)
+    # and no gather of the stack after the update: the only other all-gathers are
+    # the unstacked buffers' (one per buffer, outside any loop)
+    outside = count_collectives(compiled.as_text()).get("all-gather", 0) - len(loops)
+    assert outside == len(step.optimizer(state).layout(step.params(state), mesh8).buffers) - 1
