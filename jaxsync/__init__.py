@@ -17,6 +17,7 @@ from jaxsync._src.deterministic.units import UnitGrads as UnitGrads
 from jaxsync._src.fsdp.fully_shard import FullyShard as FullyShard
 from jaxsync._src.fsdp.fully_shard import fully_shard as fully_shard
 from jaxsync._src.fsdp.gather import MixedPrecision as MixedPrecision
+from jaxsync._src.fsdp.held import FsdpShards as FsdpShards
 from jaxsync._src.fsdp.offload import host_offload_supported as host_offload_supported
 from jaxsync._src.fsdp.offload import offload as offload
 from jaxsync._src.fsdp.offload import with_offloaded_state as with_offloaded_state
@@ -134,6 +135,7 @@ __all__ = [
     "DistributedOptimizerState",
     "DynamicLossScale",
     "ExpertParallel",
+    "FsdpShards",
     "FullyShard",
     "LayerStack",
     "LossScaleState",

@@ -35,6 +35,7 @@ from jax.sharding import PartitionSpec as P
 
 from ..core.names import param_name
 from ..fsdp import shards as fsdp_shards
+from ..fsdp.held import FsdpShards
 from ..step.held import strip
 from ..step.train_state import TrainState
 from ..step.two_d import portable as two_d_portable
@@ -164,7 +165,7 @@ def from_portable(ts: Any, portable: dict[str, Any], like: TrainState, fn: str) 
         opt = plan.tx.from_portable(opt, params, ts.mesh)
         params = strip(params, plan.held)
     elif ts.mode.name == "fsdp":
-        params = plan.fs.shard(params, ts.mesh)
+        params = FsdpShards(plan.fs.shard(params, ts.mesh), plan.fs.units)
         opt = fsdp_shards.from_portable(plan.fs, opt, plan.template, ts.mesh)
     if guard is None and like.guard is not None:
         guard = jax.tree.unflatten(

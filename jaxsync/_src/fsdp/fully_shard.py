@@ -15,7 +15,7 @@ and :meth:`FullyShard.multi_transform` runs one optimizer per label on them.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -35,6 +35,7 @@ from ..sync.views import GATHERED
 from .gather import MixedPrecision, cast_floats, gather_shard, reduce_shard
 from .grad import check_microbatches as check_microbatches
 from .grad import value_and_grad as _value_and_grad
+from .held import plain
 from .optimizer import Labels, ShardMultiTransform, resolve_labels
 from .optimizer import init_optimizer as _init_optimizer
 from .optimizer import multi_transform as _multi_transform
@@ -135,8 +136,8 @@ class FullyShard:
             raise ValueError(
                 f"{fn}: unknown unit {unit!r}; this FullyShard has units {list(self.units)}."
             )
-        if shards is not None and (not isinstance(shards, dict) or unit not in shards):
-            have = sorted(shards) if isinstance(shards, dict) else type(shards).__name__
+        if shards is not None and (not isinstance(shards, Mapping) or unit not in shards):
+            have = sorted(shards) if isinstance(shards, Mapping) else type(shards).__name__
             raise ValueError(
                 f"{fn}: `shards` has no entry for unit {unit!r} (it has {have}); pass the "
                 "dict {unit: shard} from `fs.shard` (inside shard_map: the step's argument)."
@@ -193,7 +194,7 @@ class FullyShard:
         path or shape).
         """
         check = check_bool(check_elementwise, "check_elementwise")
-        return _init_optimizer(self, tx, shards, mesh, check)
+        return _init_optimizer(self, tx, plain(shards), mesh, check)
 
     def state_specs(self, tx: optax.GradientTransformation) -> Any:
         """PartitionSpecs of ``tx``'s state over the shards: moments sharded like the
@@ -229,9 +230,10 @@ class FullyShard:
     def unshard(self, shards: dict[str, jax.Array], mesh: Mesh | None = None) -> PyTree:
         """Full params from global shards (outside shard_map), in fp32.
 
-        ``mesh`` defaults to the one given to :func:`fully_shard`.
+        ``mesh`` defaults to the one given to :func:`fully_shard`. ``shards`` may be
+        an FSDP step's ``state.params`` (a :class:`jaxsync.FsdpShards`).
         """
-        return _unshard(self, shards, self._mesh(mesh, "FullyShard.unshard"))
+        return _unshard(self, plain(shards), self._mesh(mesh, "FullyShard.unshard"))
 
     # ---------------------------------------------------------------- gather
     def gather(self, shards: dict[str, jax.Array], unit: str) -> dict[str, jax.Array]:
@@ -348,7 +350,7 @@ class FullyShard:
         reduce-scatters once (less communication, more memory).
         """
         return _value_and_grad(
-            self, loss_fn, shards, batch, microbatches=microbatches,
+            self, loss_fn, plain(shards), batch, microbatches=microbatches,
             sync_grad_accum=sync_grad_accum, has_aux=has_aux,
         )  # fmt: skip
 

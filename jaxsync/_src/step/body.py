@@ -16,6 +16,7 @@ import jax.numpy as jnp
 
 from ..deterministic.exact import nonfinite_flags
 from ..fsdp.grad import split_microbatches
+from ..fsdp.held import FsdpShards, plain
 from ..sync.grad_sync import accumulate_grads, all_reduce_grads, value_and_grad
 from ..sync.scan_sync import DataParallel, sync_value_and_grad
 from .held import gather_held, held_buffers, master_rows, stand_ins, strip
@@ -118,6 +119,9 @@ def ddp_body(cfg: Any, plan: Plan, state: TrainState, batch: Any) -> tuple[Train
 
 def fsdp_body(cfg: Any, plan: Plan, state: TrainState, batch: Any) -> tuple[TrainState, Any]:
     fs = plan.fs
+    # The optimizer state was built over the plain {unit: shard} dict: step on that,
+    # and hand state.params back as the FsdpShards it came in.
+    state = state._replace(params=plain(state.params))
     loss = loss_of(cfg, plan, state, batch)
     (loss, rest), grads = fs.value_and_grad(
         lambda shards, b: loss(fs.view(shards), b),
@@ -128,4 +132,5 @@ def fsdp_body(cfg: Any, plan: Plan, state: TrainState, batch: Any) -> tuple[Trai
     )
     grads = unscale(grads, state.loss_scale.scale)
     stats = global_stats(grads, fs.axes, padding_of([fs.layout(u) for u in fs.units]))
-    return finish(cfg, plan, state, grads, grads, stats, loss, rest)
+    new, out = finish(cfg, plan, state, grads, grads, stats, loss, rest)
+    return new._replace(params=FsdpShards(new.params, fs.units)), out

@@ -33,6 +33,7 @@ from ..core.names import group_of, param_name
 from ..core.specs import full_spec
 from ..core.validate import check_float_params
 from ..fsdp.fully_shard import fully_shard
+from ..fsdp.held import NOT_PARAMS, FsdpShards
 from ..multihost import watchdog
 from ..multihost.data import place_batch
 from ..optim.loss_scale import LossScale, init_loss_scale
@@ -142,6 +143,8 @@ class TrainStep:
         model, rest = None, {}
         if nnx_states or is_graphdef(params):
             params = merge_split(params, nnx_states)
+        if isinstance(params, FsdpShards):  # an FSDP state's params: no tree of the model's
+            raise TypeError(NOT_PARAMS.format(fn=fn))
         if is_module(params):
             model, params, rest = split_model(params)
         else:  # a pytree: linen's nn.with_partitioning boxes become placements
@@ -193,10 +196,12 @@ class TrainStep:
                 mesh=mesh, policy=mode.policy, reshard_after_forward=mode.reshard_after_forward,
                 stacked=self.stacked or None, labels=self.labels,
             )  # fmt: skip
-            held = fs.shard(params)
+            shards = fs.shard(params)
             tx = self.tx if self.labels is None else fs.multi_transform(self.tx)
-            opt_state, opt_specs = fs.init_optimizer(tx, held, mesh)
-            param_specs, n_flags = fs.specs(), len(fs.units)
+            opt_state, opt_specs = fs.init_optimizer(tx, shards, mesh)  # over the plain dict
+            # state.params says what it holds (not the params) and where they are.
+            held, param_specs = FsdpShards(shards, fs.units), FsdpShards(fs.specs(), fs.units)
+            n_flags = len(fs.units)
         guard = None
         if not isinstance(mode, ZeRO):
             guard = jax.device_put(
@@ -320,7 +325,11 @@ class TrainStep:
 
     def params(self, state: TrainState) -> PyTree:
         """The params as a pytree shaped like the ones given to ``init``, replicated
-        (FSDP: gathered from the shards, in the params' own dtypes)."""
+        (FSDP: gathered from the shards, in the params' own dtypes), in every mode.
+
+        Read the params here, not from ``state.params``: FSDP's is an
+        :class:`jaxsync.FsdpShards` of flat, padded fp32 unit shards, and a ZeRO step
+        holds its stacked groups as master shards only."""
         plan = self._plan(state, "TrainStep.params")
         if plan.dims is not None:
             return spec_params(self, plan, state)

@@ -46,8 +46,8 @@ class TrainState(NamedTuple):
     Attributes:
       step: steps applied so far (skipped steps not counted), int32.
       params: the params, replicated (``"ddp"``, ``"zero"``), or FSDP's
-        ``{unit: fp32 shard}`` (``"fsdp"``); read them whole with
-        ``TrainStep.params(state)``.
+        :class:`jaxsync.FsdpShards` (``{unit: flat fp32 shard}``, padded: not the
+        params; ``"fsdp"``); read them whole with ``TrainStep.params(state)``.
       opt_state: the optimizer's state: replicated optax state (``"ddp"``), a
         :class:`jaxsync.DistributedOptimizerState` (``"zero"``, which holds the
         loss scale and metrics itself), or optax state over the shards (``"fsdp"``).
