@@ -468,8 +468,13 @@ def train(
         start = int(r.meta["data_position"])
         console.print(f"resumed from step {r.step} (next batch {start}) in {ckpt.directory}")
 
+    # The params' shapes, from the module (no collective: train_step.params(state)
+    # gathers, so every process would have to call it).
+    shapes = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), nnx.to_pure_dict(abstract)
+    )
     console.print(
-        f"jaxsync GPT: {sum(p.size for p in jax.tree.leaves(train_step.params(state))):,} params "
+        f"jaxsync GPT: {sum(p.size for p in jax.tree.leaves(shapes)):,} params "
         f"({model_cfg.dtype}), {jax.device_count()} devices on {info.num_processes} "
         f"process(es) [{jax.default_backend()}], optimizer={t['optimizer']}, "
         f"global batch {t['global_batch']} x {model_cfg.seq_len} tokens"
@@ -483,7 +488,7 @@ def train(
         highlight=False,
     )
     if zero and lead:
-        console.print(tx.layout(train_step.params(state), mesh).summary())
+        console.print(tx.layout(shapes, mesh).summary())
 
     per_proc = t["global_batch"] // jax.process_count()
     rows = slice(jax.process_index() * per_proc, (jax.process_index() + 1) * per_proc)
@@ -501,7 +506,7 @@ def train(
                 {
                     "config": cfg,
                     "data": about,
-                    "params": int(sum(p.size for p in jax.tree.leaves(train_step.params(state)))),
+                    "params": int(sum(p.size for p in jax.tree.leaves(shapes))),
                     "devices": jax.device_count(),
                     "processes": jax.process_count(),
                     "backend": jax.default_backend(),
@@ -597,12 +602,14 @@ def train(
         if previous is not None:
             count_skip(*previous)
     ckpt.wait()
-    if args.dump_params and lead:
+    if args.dump_params:
+        final = train_step.params(state)  # a collective (it gathers): every process calls it
         flat = {
             jaxsync.param_name(p): np.asarray(x.addressable_data(0))
-            for p, x in jax.tree_util.tree_flatten_with_path(train_step.params(state))[0]
+            for p, x in jax.tree_util.tree_flatten_with_path(final)[0]
         }
-        np.savez(args.dump_params, **flat)
+        if lead:
+            np.savez(args.dump_params, **flat)
     plot = write_plot(metrics_path, console) if lead and history else None
     if history:
         vals = [r["val_loss"] for r in history if "val_loss" in r]
