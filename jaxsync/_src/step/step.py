@@ -329,7 +329,9 @@ class TrainStep:
 
         Read the params here, not from ``state.params``: FSDP's is an
         :class:`jaxsync.FsdpShards` of flat, padded fp32 unit shards, and a ZeRO step
-        holds its stacked groups as master shards only."""
+        holds its stacked groups as master shards only. Where it gathers (FSDP; a
+        1-D ZeRO step with stacked groups) it runs a program on every device: with
+        several processes, call it on each of them, as any collective."""
         plan = self._plan(state, "TrainStep.params")
         if plan.dims is not None:
             return spec_params(self, plan, state)
