@@ -45,9 +45,11 @@ class TrainState(NamedTuple):
 
     Attributes:
       step: steps applied so far (skipped steps not counted), int32.
-      params: the params, replicated (``"ddp"``, ``"zero"``), or FSDP's
-        :class:`jaxsync.FsdpShards` (``{unit: flat fp32 shard}``, padded: not the
-        params; ``"fsdp"``); read them whole with ``TrainStep.params(state)``.
+      params: the params, replicated (``"ddp"``, ``"zero"``; a 1-D ``"zero"`` step
+        holds its stacked groups in the optimizer's master shards and keeps a
+        ``HeldLayers`` marker in their place), or FSDP's :class:`jaxsync.FsdpShards`
+        (``{unit: flat fp32 shard}``, padded: not the params; ``"fsdp"``); read them
+        whole with ``TrainStep.params(state)``.
       opt_state: the optimizer's state: replicated optax state (``"ddp"``), a
         :class:`jaxsync.DistributedOptimizerState` (``"zero"``, which holds the
         loss scale and metrics itself), or optax state over the shards (``"fsdp"``).
