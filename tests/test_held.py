@@ -108,3 +108,26 @@ def test_each_layer_is_gathered_once_per_step_unless_resharded(mesh8, reshard):
     # the unstacked buffers' (one per buffer, outside any loop)
     outside = count_collectives(compiled.as_text()).get("all-gather", 0) - len(loops)
     assert outside == len(step.optimizer(state).layout(step.params(state), mesh8).buffers) - 1
+
+
+def test_a_held_state_checkpoint_continues_at_another_dp_size(mesh8, tmp_path):
+    """Saved at 8 devices (the stack in the master shards), restored at 4: the same
+    params and master, the marker in place, and the next steps equal a run that
+    never stopped (single-device optax)."""
+    batches = scanned_batches(jax.random.key(1), steps=3, batch=32)
+    xs, ys = batches
+    step8, state = _train(mesh8, optax.sgd(0.1), "zero", (xs[:2], ys[:2]))
+    with jaxsync.Checkpointer(tmp_path) as ckpt:
+        ckpt.save_state(step8, state)
+    mesh4 = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4])
+    step4 = jaxsync.train_step(scanned_loss, optax.sgd(0.1), mesh4, "zero", stacked="blocks")
+    with jaxsync.Checkpointer(tmp_path) as ckpt:
+        new = ckpt.restore_state(step4, step4.init(scanned_params(jax.random.key(0)))).state
+    assert isinstance(new.params["blocks"], HeldLayers)
+    for a, b in zip(jax.tree.leaves(step8.master(state)), jax.tree.leaves(step4.master(new)),
+                    strict=True):  # fmt: skip
+        np.testing.assert_array_equal(a, b)
+    new, _ = step4(new, (xs[2], ys[2]))
+    want, _ = run_reference(optax.sgd(0.1), scanned_params(jax.random.key(0)), batches,
+                            loss_fn=scanned_loss)  # fmt: skip
+    _assert_close(step4.params(new), want)
