@@ -63,6 +63,14 @@ class DistributedOptimizer(optax.GradientTransformationExtraArgs):
             grads, state, params, "DistributedOptimizer.apply_gradients"
         )
 
+    def _apply_held(
+        self, grads: PyTree, state: DistributedOptimizerState, params: PyTree, held: frozenset
+    ) -> tuple[PyTree, DistributedOptimizerState]:
+        """:meth:`apply_gradients` leaving the buffers in ``held`` ungathered (their
+        leaves come back as in ``params``): a train step gathers them in the next
+        forward (:mod:`jaxsync._src.step.held`)."""
+        return self.__dict__["apply_fn"](grads, state, params, "jaxsync.train_step", held)
+
     def layout(self, params: PyTree, mesh: Mesh, param_specs: PyTree = None) -> Layout:
         """The flat-buffer layout used for (global) ``params`` on ``mesh``.
 

@@ -53,11 +53,8 @@ def grads_of(cfg: Any, plan: Plan, state: TrainState, batch: Any, sync: Any) -> 
 def zero_body(cfg: Any, plan: Plan, state: TrainState, batch: Any) -> tuple[TrainState, Any]:
     tx = plan.tx
     if plan.held:
-        (loss, rest), grads, params = held_grads(cfg, plan, state, batch)
-        new_params, opt_state = tx.__dict__["apply_fn"](
-            grads, state.opt_state, params, "jaxsync.train_step",
-            held=held_buffers(tx.__dict__["config"].layout_inside(params), plan.held),
-        )  # fmt: skip
+        (loss, rest), grads, params, held = held_grads(cfg, plan, state, batch)
+        new_params, opt_state = tx._apply_held(grads, state.opt_state, params, held)
         new_params = strip(new_params, plan.held)
     else:
         (loss, rest), grads = grads_of(cfg, plan, state, batch, tx if cfg.stacked else None)
@@ -72,17 +69,18 @@ def zero_body(cfg: Any, plan: Plan, state: TrainState, batch: Any) -> tuple[Trai
     return new, outputs(cfg, loss, rest, state)
 
 
-def held_grads(cfg: Any, plan: Plan, state: TrainState, batch: Any) -> tuple[Any, Any, Any]:
+def held_grads(cfg: Any, plan: Plan, state: TrainState, batch: Any) -> tuple[Any, ...]:
     """ZeRO's gradients with the stacked groups held as master shards (:mod:`held`):
-    ``((loss, rest), sharded grads, the full params tree the optimizer reads)``.
+    ``((loss, rest), sharded grads, the full params tree the optimizer reads, the
+    held buffers)``.
 
     One microbatch: each layer is gathered in the forward, by its tap. With several,
     the earlier microbatches need the whole stack, so it is gathered once first.
     """
     tx = plan.tx
     params = stand_ins(state.params, plan.template, plan.held)
-    layout = tx.__dict__["config"].layout_inside(params)
-    master = state.opt_state.master
+    layout = tx._config.layout_inside(params)
+    master, held = state.opt_state.master, held_buffers(layout, plan.held)
     if cfg.microbatches == 1:
         rows = master_rows(layout, master, plan.held)
         loss = loss_of(cfg, plan, state, batch)
@@ -90,10 +88,10 @@ def held_grads(cfg: Any, plan: Plan, state: TrainState, batch: Any) -> tuple[Any
             loss, tx, params, (batch,), has_aux=True, held=rows,
             reshard=cfg.mode.reshard_after_forward, fn="jaxsync.train_step",
         )  # fmt: skip
-        return out, grads, params
+        return out, grads, params, held
     params = gather_held(layout, master, cfg.axis_name, params, plan.held)
     out, grads = grads_of(cfg, plan, state._replace(params=params), batch, tx)
-    return out, grads, params
+    return out, grads, params, held
 
 
 def ddp_body(cfg: Any, plan: Plan, state: TrainState, batch: Any) -> tuple[TrainState, Any]:

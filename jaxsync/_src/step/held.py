@@ -42,7 +42,7 @@ def held_groups(tx: Any, params: PyTree, mesh: Mesh, mode: Any, stacked: Sequenc
         return ()
     layout = tx.layout(params, mesh)
     stacks = layout.stacks()
-    config = tx.__dict__["config"]
+    config = tx._config
     in_stack = {si for bufs in stacks.values() for bi in bufs for si in layout.buffers[bi].slots}
     names = [param_name(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
     grouped = [i for i, n in enumerate(names) if group_of(n, stacked) is not None]
