@@ -3,9 +3,10 @@
 A 1-D ``"zero"`` step keeps each stacked group only as the distributed optimizer's
 fp32 master rows and gathers every layer in the next forward (Megatron's
 ``overlap_param_gather``), keeping it for the backward whatever the remat policy
-(`jaxsync._src.sync.remat_keep`). These tests hold it to single-device optax (SGD
-too: its update shows a gradient's scale), count the gathers of a compiled step,
-and check what ``state.params`` and ``step.params`` say.
+(`jaxsync._src.sync.remat_keep`); FSDP's ``reshard_after_forward=False`` keeps its
+gathered layers the same way. These tests hold it to single-device optax (SGD too:
+its update shows a gradient's scale), count the gathers of a compiled step, and check
+what ``state.params`` and ``step.params`` say.
 """
 
 import jax
@@ -131,3 +132,20 @@ def test_a_held_state_checkpoint_continues_at_another_dp_size(mesh8, tmp_path):
     want, _ = run_reference(optax.sgd(0.1), scanned_params(jax.random.key(0)), batches,
                             loss_fn=scanned_loss)  # fmt: skip
     _assert_close(step4.params(new), want)
+
+
+@pytest.mark.parametrize("reshard", [True, False])
+def test_fsdp_keeps_its_gathered_layers_unless_it_reshards(mesh8, reshard):
+    """FSDP's ``reshard_after_forward=False`` keeps each stacked layer it gathered in
+    the forward for the backward, whatever the layer body's remat (as ZeRO does):
+    one all-gather loop per step instead of two, and still single-device optax."""
+    batches = scanned_batches(jax.random.key(1), steps=2, batch=32)
+    mode = jaxsync.FSDP(reshard_after_forward=reshard)
+    step, state = _train(mesh8, optax.sgd(0.1), mode, batches)
+    want, _ = run_reference(optax.sgd(0.1), scanned_params(jax.random.key(0), layers=LAYERS),
+                            batches, loss_fn=scanned_loss)  # fmt: skip
+    _assert_close(step.params(state), want)
+    compiled = step.lower(state, (batches[0][0], batches[1][0])).compile()
+    loops = jaxsync.overlap_report(compiled).in_loop(kind="all-gather")
+    assert {c.trip_count for c in loops} == {LAYERS}
+    assert len(loops) == (2 if reshard else 1)

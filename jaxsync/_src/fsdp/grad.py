@@ -16,6 +16,7 @@ import jax.numpy as jnp
 
 from ..core.axes import to_varying
 from ..core.validate import check_loss
+from ..sync.remat_keep import keep_fsdp_gathered
 from ..sync.tap_rules import check_no_gather_under_cond
 from ..sync.views import call_with_views
 
@@ -40,7 +41,7 @@ def value_and_grad(
 
     # A views scope: an NNX loss merges fs.view(shards) with jaxsync.merge_module.
     scoped = call_with_views(loss_fn, tuple(fs._layers), "FSDP's sharded layers")
-    loss_fn = _checked_loss(scoped, has_aux, fs.axes)
+    loss_fn = _checked_loss(scoped, has_aux, fs.axes, keep=not fs.reshard_after_forward)
     if microbatches == 1:
         return jax.value_and_grad(loss_fn, has_aux=has_aux)(shards, batch)
     mbs = split_microbatches(microbatches, batch)
@@ -69,13 +70,19 @@ def value_and_grad(
     return loss, grads
 
 
-def _checked_loss(loss_fn: Callable[..., Any], has_aux: bool, axes: Any) -> Callable[..., Any]:
-    """``loss_fn`` with the checks every mode makes of its loss (not yet averaged)."""
+def _checked_loss(
+    loss_fn: Callable[..., Any], has_aux: bool, axes: Any, keep: bool = False
+) -> Callable[..., Any]:
+    """``loss_fn`` with the checks every mode makes of its loss (not yet averaged);
+    ``keep``: every remat around a unit's gather keeps the gathered params
+    (``reshard_after_forward=False``, :func:`remat_keep.keep_fsdp_gathered`)."""
 
     def checked(*args: Any) -> Any:
         # Traced into a jaxpr, checked, and run from it (no second trace of the loss).
         closed, shape = jax.make_jaxpr(loss_fn, return_shape=True)(*args)
         check_no_gather_under_cond(closed.jaxpr, tuple(axes))
+        if keep:
+            closed = keep_fsdp_gathered(closed)
         flat = jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *jax.tree.leaves(args))
         out = jax.tree.unflatten(jax.tree.structure(shape), flat)
         check_loss(out[0] if has_aux else out, tuple(axes), "fsdp", "FullyShard.value_and_grad")

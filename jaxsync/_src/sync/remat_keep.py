@@ -12,18 +12,20 @@ to the backward: the memory of the params whole, which the old ZeRO state held
 between steps anyway. Measured on the Llama-style models of ``bench_gpu``
 (XLA defaults, the scheduler's timeline): 1.1B on 8 x H100 152.4 -> 148.7 ms,
 7.2B on 64 x H100 500.8 -> 425.6 ms. ``jaxsync.ZeRO(reshard_after_forward=True)``
-gathers again in the backward instead, for the lowest peak memory.
+gathers again in the backward instead, for the lowest peak memory. FSDP's
+``reshard_after_forward=False`` keeps its gathered units the same way
+(:func:`keep_fsdp_gathered`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from typing import Any
 
 import jax
 from jax.extend import core as jcore
 
-from .tap_rules import tap_group
+from .tap_rules import FSDP_GATHER, custom_name, tap_group
 from .views import GATHERED
 
 #: jax.checkpoint's primitive, by the names JAX versions give it.
@@ -33,20 +35,33 @@ REMAT = ("remat2", "checkpoint")
 def keep_gathered(closed: Any, groups: Collection[str]) -> Any:
     """``closed`` (a traced loss) with ``GATHERED`` saved by every remat around a tap
     of ``groups``."""
-    jaxpr, found = _keep(closed.jaxpr, frozenset(groups))
+    held = frozenset(groups)
+    return keep_around(closed, lambda eqn: tap_group(eqn) in held)
+
+
+def keep_fsdp_gathered(closed: Any) -> Any:
+    """The same for FSDP's gathers (``FullyShard(reshard_after_forward=False)``):
+    every remat around a unit's gather keeps the gathered params."""
+    return keep_around(closed, lambda eqn: custom_name(eqn) == FSDP_GATHER)
+
+
+def keep_around(closed: Any, gathers: Callable[[Any], bool]) -> Any:
+    """``closed`` with ``GATHERED`` added to the policy of every remat whose body
+    holds an equation ``gathers`` picks (those equations are not entered)."""
+    jaxpr, found = _keep(closed.jaxpr, gathers)
     return jcore.ClosedJaxpr(jaxpr, closed.consts) if found else closed
 
 
-def _keep(jaxpr: Any, groups: frozenset[str]) -> tuple[Any, bool]:
+def _keep(jaxpr: Any, gathers: Callable[[Any], bool]) -> tuple[Any, bool]:
     eqns, found = [], False
     for eqn in jaxpr.eqns:
-        if tap_group(eqn) in groups:
+        if gathers(eqn):
             eqns.append(eqn)
             found = True
             continue
         params, inner = {}, False
         for key, value in eqn.params.items():
-            params[key], hit = _sub(value, groups)
+            params[key], hit = _sub(value, gathers)
             inner |= hit
         if inner and eqn.primitive.name in REMAT:
             params["policy"] = keeping(params.get("policy"))
@@ -55,16 +70,16 @@ def _keep(jaxpr: Any, groups: frozenset[str]) -> tuple[Any, bool]:
     return (jaxpr.replace(eqns=eqns) if found else jaxpr), found
 
 
-def _sub(value: Any, groups: frozenset[str]) -> tuple[Any, bool]:
+def _sub(value: Any, gathers: Callable[[Any], bool]) -> tuple[Any, bool]:
     if isinstance(value, jcore.ClosedJaxpr):
-        jaxpr, hit = _keep(value.jaxpr, groups)
+        jaxpr, hit = _keep(value.jaxpr, gathers)
         return (jcore.ClosedJaxpr(jaxpr, value.consts) if hit else value), hit
     if isinstance(value, jcore.Jaxpr):
-        return _keep(value, groups)
+        return _keep(value, gathers)
     if isinstance(value, tuple | list) and any(
         isinstance(v, jcore.ClosedJaxpr | jcore.Jaxpr) for v in value
     ):
-        subs = [_sub(v, groups) for v in value]
+        subs = [_sub(v, gathers) for v in value]
         return type(value)(v for v, _ in subs), any(h for _, h in subs)
     return value, False
 

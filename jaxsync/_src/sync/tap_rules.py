@@ -109,6 +109,11 @@ def _varying(aval: Any) -> frozenset[str]:
     return frozenset(vma)
 
 
+def custom_name(eqn: Any) -> str:
+    """The function name of a ``custom_vjp`` call equation ("" for anything else)."""
+    return _custom_name(eqn)
+
+
 def _custom_name(eqn: Any) -> str:
     if eqn.primitive.name != "custom_vjp_call":
         return ""
