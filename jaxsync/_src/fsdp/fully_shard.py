@@ -26,7 +26,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from ..core.axes import AxisName, bound_axes, mesh_axes_size, normalize_axes
-from ..core.names import param_name
+from ..core.names import group_trees, param_name
 from ..core.validate import check_bool, check_float_params
 from ..layout.layout import Layout
 from ..layout.placement import normalize_stacked, stack_layers
@@ -44,7 +44,6 @@ from .shards import shard as _shard
 from .shards import unshard as _unshard
 from .unit import UnitFlat, assign_units, check_units, unit_flat
 from .view import ShardedLayers as ShardedLayers
-from .view import group_trees
 from .view import view as _view
 
 PyTree = Any

@@ -7,7 +7,6 @@ So the model code is the same as for plain data parallelism:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -59,24 +58,6 @@ class ShardedLayers:
             raise AttributeError(name)
 
         raise TypeError(NOT_TAPPED.format(group=self.unit))
-
-
-def group_trees(params: PyTree, stacked: Sequence[str]) -> dict[str, tuple[Any, list[str]]]:
-    """Per stacked group: the treedef of its subtree and its leaves' full names."""
-    out: dict[str, tuple[Any, list[str]]] = {}
-
-    def grab(path: Any, sub: Any) -> Any:
-        name = param_name(path)
-        if name in stacked:
-            rel = jax.tree_util.tree_flatten_with_path(sub)[0]
-            names = [f"{name}.{param_name(p)}" if p else name for p, _ in rel]
-            out[name] = (jax.tree.structure(sub), names)
-        return sub
-
-    jax.tree_util.tree_map_with_path(
-        grab, params, is_leaf=lambda path, _: param_name(path) in stacked, is_leaf_takes_path=True
-    )
-    return out
 
 
 def view(fs: FullyShardT, shards: dict[str, Any], gathered: dict[str, Any], stacked: Any) -> PyTree:

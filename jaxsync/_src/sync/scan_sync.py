@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from ..core.axes import AxisName, bound_axes, normalize_axes, to_varying
-from ..core.names import in_group, param_name
+from ..core.names import group_trees, in_group, param_name
 from ..layout.layout import Layout
 from ..layout.placement import build_layout, check_bucket_size, normalize_stacked
 from ..layout.records import BufferKey
@@ -177,7 +177,10 @@ def sync_value_and_grad(
     specs, sinks, accs = {}, {}, {}
     names = [param_name(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
     held = dict(held or {})
-    subtrees = _subtrees(params, held) if held else {}
+    subtrees = {g: tree for g, (tree, _) in group_trees(params, tuple(held)).items()}
+    missing = sorted(set(held) - set(subtrees))
+    if missing:
+        raise ValueError(f"`held` names groups {missing} that `params` does not hold.")
     for group, bufs in stacks.items():
         members = [i for i in range(len(leaves)) if in_group(names[i], group)]
         slots = tuple(i for i in members if i in in_stack and layout.slots[i].buffer in bufs)
@@ -300,23 +303,6 @@ def sync_value_and_grad(
     order = tuple(range(len(layout.buffers)))
     reduced = layout.unpack_leaves([per_buffer[bi] for bi in order], order)
     return out, jax.tree.unflatten(treedef, [reduced[i] for i in range(len(leaves))])
-
-
-def _subtrees(params: PyTree, groups: Mapping[str, Any]) -> dict[str, Any]:
-    """The treedef of each of ``groups``' subtrees in ``params``."""
-    out: dict[str, Any] = {}
-
-    def grab(path: Any, sub: Any) -> Any:
-        out[param_name(path)] = jax.tree.structure(sub)
-        return sub
-
-    jax.tree_util.tree_map_with_path(
-        grab, params, is_leaf=lambda path, _: param_name(path) in groups, is_leaf_takes_path=True
-    )
-    missing = sorted(set(groups) - set(out))
-    if missing:
-        raise ValueError(f"`held` names groups {missing} that `params` does not hold.")
-    return out
 
 
 def _check_held(

@@ -111,10 +111,6 @@ def _varying(aval: Any) -> frozenset[str]:
 
 def custom_name(eqn: Any) -> str:
     """The function name of a ``custom_vjp`` call equation ("" for anything else)."""
-    return _custom_name(eqn)
-
-
-def _custom_name(eqn: Any) -> str:
     if eqn.primitive.name != "custom_vjp_call":
         return ""
     call = eqn.params.get("call_jaxpr")
@@ -124,11 +120,7 @@ def _custom_name(eqn: Any) -> str:
 
 def tap_group(eqn: Any) -> str | None:
     """The stacked group a jaxpr equation taps, or None (not a tap, or an empty shell)."""
-    return _group_of(eqn)
-
-
-def _group_of(eqn: Any) -> str | None:
-    name = _custom_name(eqn)
+    name = custom_name(eqn)
     if not name or not (eqn.invars or eqn.outvars):  # no name, or an empty shell
         return None
     prefix = TAP_NAME.split("{", 1)[0]
@@ -145,7 +137,7 @@ def _walk(jaxpr: Any, axes: Sequence[str], loops: int) -> dict[str, TapUse]:
         mine.depth = max(mine.depth, use.depth)
 
     for eqn in jaxpr.eqns:
-        group = _group_of(eqn)
+        group = tap_group(eqn)
         if group is not None:
             add(group, TapUse(1, loops == 0, loops))
             continue
@@ -207,7 +199,7 @@ GATHER_UNDER_COND = (
 
 def _gathers(jaxpr: Any) -> bool:
     for eqn in jaxpr.eqns:
-        if _custom_name(eqn) == FSDP_GATHER and (eqn.invars or eqn.outvars):
+        if custom_name(eqn) == FSDP_GATHER and (eqn.invars or eqn.outvars):
             return True
         if any(_gathers(sub) for sub in _subjaxprs(eqn)):
             return True
