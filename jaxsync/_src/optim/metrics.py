@@ -14,6 +14,7 @@ import numpy as np
 
 from ..core.axes import to_varying
 from ..core.names import param_name
+from ..core.tree_reduce import nonfinite_leaves
 from ..sync.scan_sync import ShardedGrads
 from .state import StepMetrics
 
@@ -48,9 +49,7 @@ def next_metrics(
     elif isinstance(grads, ShardedGrads):
         flags = grads.nonfinite.astype(jnp.int32)  # recorded before the in-loop reduction
     else:
-        flags = jnp.stack(
-            [jnp.logical_not(jnp.all(jnp.isfinite(g))) for g in jax.tree.leaves(grads)]
-        ).astype(jnp.int32)
+        flags = nonfinite_leaves(jax.tree.leaves(grads)).astype(jnp.int32)
 
     def locate(flags: jax.Array) -> tuple[jax.Array, jax.Array]:
         # The manual axes: on a 2-D step the compiler's axes hold no per-device flags.

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from ..core.axes import to_varying
+from ..core.tree_reduce import sq_sum_and_zeros
 from ..optim.loss_scale import LossScale, LossScaleState, update_loss_scale
 from ..optim.metrics import next_metrics
 from ..optim.state import StepMetrics
@@ -101,8 +102,7 @@ def global_stats(grads: PyTree, axes: Sequence[str] = (), padding: int = 0) -> t
     are added up; ``padding`` zeros (shard padding, all devices together) are
     not counted.
     """
-    sq = sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(grads))
-    zeros = sum(jnp.sum(g == 0).astype(jnp.float32) for g in jax.tree.leaves(grads))
+    sq, zeros = sq_sum_and_zeros(jax.tree.leaves(grads))
     if axes:
         stats = jax.lax.psum(to_varying(jnp.stack([sq, zeros]), tuple(axes)), tuple(axes))
         sq, zeros = stats[0], stats[1]

@@ -19,6 +19,7 @@ import numpy as np
 import optax
 
 from ..core.axes import AxisName, axes_size, bound_axes, normalize_axes, rank, to_varying
+from ..core.tree_reduce import nonfinite_leaves
 from ..core.validate import check_bool, check_float_dtype
 from ..deterministic.strategy import ExactSums
 from ..deterministic.units import (
@@ -187,7 +188,8 @@ def nonfinite_grads(grads: PyTree, *, axis_name: AxisName | None = None) -> PyTr
     tree from shard_map with ``out_specs=P(axis_name)`` stacks one row per rank;
     feed that to :func:`raise_if_nonfinite`.
     """
-    flags = jax.tree.map(lambda g: jnp.logical_not(jnp.all(jnp.isfinite(g))), grads)
+    leaves, treedef = jax.tree.flatten(grads)
+    flags = jax.tree.unflatten(treedef, list(nonfinite_leaves(leaves)) if leaves else [])
     if axis_name is None:
         return flags
     bound_axes(axis_name, "jaxsync.nonfinite_grads")

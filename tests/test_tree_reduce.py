@@ -1,0 +1,61 @@
+"""The guard's one-pass reductions (core.tree_reduce) against numpy, leaf by leaf."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxsync._src.core import tree_reduce
+from jaxsync._src.core.tree_reduce import nonfinite_leaves, sq_sum_and_zeros
+
+SHAPES = [(5, 7), (3000,), (2,), (0,), (1025,), (1024,), (3, 1, 4), ()]
+
+
+def _leaves(seed: int, dtype=np.float32) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for s in SHAPES:
+        x = rng.normal(size=s).astype(dtype)
+        x.ravel()[rng.random(x.size) < 0.2] = 0  # exact zeros to count
+        out.append(x)
+    return out
+
+
+@pytest.mark.parametrize("chunk_rows", [None, 4])  # 4: the chunk grows past its minimum
+def test_flags_name_exactly_the_bad_leaves(monkeypatch, chunk_rows):
+    if chunk_rows is not None:
+        monkeypatch.setattr(tree_reduce, "_MAX_ROWS", chunk_rows)
+    leaves = _leaves(0)
+    # A bad value on each side of every chunk edge, and at a leaf's first and last
+    # element, with finite neighbours: a flag may not leak into the next leaf.
+    leaves[1][1023] = np.nan
+    leaves[4][1024] = np.inf
+    leaves[5][0] = -np.inf
+    leaves[7] = np.float32(np.nan)
+    want = [not np.all(np.isfinite(x)) for x in leaves]
+    assert want == [False, True, False, False, True, True, False, True]
+    got = jax.jit(lambda *g: nonfinite_leaves(g))(*leaves)
+    assert got.dtype == jnp.bool_ and got.tolist() == want
+    for i in range(len(leaves)):  # one bad leaf at a time, the rest finite
+        only = _leaves(1)
+        if only[i].size:
+            only[i].ravel()[-1] = np.nan
+        got = jax.jit(lambda *g: nonfinite_leaves(g))(*only).tolist()
+        assert got == [j == i and only[i].size > 0 for j in range(len(only))]
+
+
+def test_flags_of_bf16_and_of_nothing():
+    leaves = [jnp.asarray(x, jnp.bfloat16) for x in _leaves(2)]
+    leaves[2] = leaves[2].at[1].set(jnp.inf)
+    assert nonfinite_leaves(leaves).tolist() == [i == 2 for i in range(len(leaves))]
+    assert nonfinite_leaves([jnp.zeros((0, 3))]).tolist() == [False]
+
+
+def test_sq_sum_and_zeros_match_numpy():
+    leaves = _leaves(3)
+    sq, zeros = jax.jit(lambda *g: sq_sum_and_zeros(g))(*leaves)
+    want_sq = sum(float(np.sum(np.square(x.astype(np.float64)))) for x in leaves)
+    want_zeros = sum(int(np.sum(x == 0)) for x in leaves)
+    np.testing.assert_allclose(float(sq), want_sq, rtol=1e-6)
+    assert int(zeros) == want_zeros and want_zeros > 0
+    assert [float(v) for v in sq_sum_and_zeros([])] == [0.0, 0.0]
