@@ -1,12 +1,12 @@
-"""Reductions over every leaf of a gradient tree at once: one kernel, not one per leaf.
+"""The guard's reductions over a gradient tree, written for few kernels and a fast compile.
 
 A step's guard reads each gradient leaf for its squared norm, its zeros and
 whether it holds NaN/Inf. Written leaf by leaf, that is two or three reductions
 per leaf; XLA:CPU splits each into three kernels (its tree-reduction rewrite), so
-a model of a few dozen leaves compiles a hundred kernels for its statistics, and
-the compile of a small model's first step doubled. Here the leaves are read as
-one concatenated vector, which XLA fuses into the reduction's input (on GPU the
-norm and the zero count come out of one kernel, the concatenation never made).
+a model of a few dozen leaves compiled a hundred kernels for its statistics, and
+the compile of a small model's first step doubled. The norm and the zero count
+read the leaves as one concatenated vector, which XLA fuses into the reduction's
+input (on GPU both come out of one kernel; the concatenation is never made).
 """
 
 from __future__ import annotations
@@ -15,11 +15,6 @@ from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-
-#: Most rows :func:`nonfinite_leaves` reduces to (its chunk grows with the model).
-_MAX_ROWS = 1 << 16
-_MIN_CHUNK = 1 << 10
 
 
 def sq_sum_and_zeros(leaves: Sequence[jax.Array]) -> tuple[jax.Array, jax.Array]:
@@ -28,32 +23,25 @@ def sq_sum_and_zeros(leaves: Sequence[jax.Array]) -> tuple[jax.Array, jax.Array]
     if not leaves:
         return jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32)
     flat = jnp.concatenate([jnp.ravel(g).astype(jnp.float32) for g in leaves])
-    return jnp.sum(jnp.square(flat)), jnp.sum(flat == 0).astype(jnp.float32)
+    return jnp.sum(jnp.square(flat)), count_zeros(flat)
+
+
+def count_zeros(x: jax.Array) -> jax.Array:
+    """Exact zeros in ``x``, as fp32 (exact to 2**24 per device, as Megatron's
+    float count). A float sum, not an integer one: XLA:CPU hands float sums to a
+    library kernel and splits integer ones into three compiled kernels."""
+    return jnp.sum(jnp.where(x == 0, jnp.float32(1), jnp.float32(0)))
 
 
 def nonfinite_leaves(leaves: Sequence[jax.Array]) -> jax.Array:
     """``bool[len(leaves)]``: whether each leaf holds a NaN or an Inf.
 
-    Each leaf's finiteness is padded (with True) to whole rows of one chunk and
-    all rows reduced at once; a leaf's flag is then any bad row among its own,
-    which a ``[leaves, rows]`` mask picks (rows stay few: the chunk grows so
-    that there are at most ``2**16`` plus one per leaf).
+    ``sum(g * 0)`` is NaN exactly when ``g`` holds one (``inf * 0`` is NaN, and a
+    sum of signed zeros cannot overflow), and a float sum is the reduction
+    XLA:CPU compiles fastest: 2-2.5x faster than ``all(isfinite(g))`` leaf by
+    leaf, or than one padded row reduction over all leaves (measured on 8 and 16
+    leaves). On GPU each is one small reduction reading its leaf once.
     """
-    sizes = [int(np.prod(g.shape)) for g in leaves]
-    if not any(sizes):
-        return jnp.zeros((len(leaves),), bool)
-    chunk = _MIN_CHUNK
-    while sum(sizes) > chunk * _MAX_ROWS:
-        chunk *= 2
-    rows = np.array([-(-n // chunk) for n in sizes], np.int32)
-    parts = [
-        jnp.pad(jnp.isfinite(jnp.ravel(g)), (0, int(r) * chunk - n), constant_values=True)
-        for g, n, r in zip(leaves, sizes, rows, strict=True)
-        if r
-    ]
-    ok = jnp.all(jnp.concatenate(parts).reshape(-1, chunk), axis=1)
-    ends = np.cumsum(rows)
-    starts = ends - rows
-    row = jax.lax.broadcasted_iota(jnp.int32, (len(leaves), int(ends[-1])), 1)
-    mine = (row >= starts[:, None]) & (row < ends[:, None])
-    return jnp.any(mine & jnp.logical_not(ok)[None, :], axis=1)
+    if not leaves:
+        return jnp.zeros((0,), bool)
+    return jnp.isnan(jnp.stack([jnp.sum(g * 0).astype(jnp.float32) for g in leaves]))

@@ -123,7 +123,8 @@ def exact_shards(
             f"{fn}: `deterministic=` needs the data axes {cfg.axes} to be the whole mesh "
             f"{mesh_axes}."
         )
-    inv_scale = 1.0 / state.loss_scale.scale
+    # As the step: without loss scaling the loss was not multiplied by the state's scale.
+    inv_scale = jnp.float32(1) if cfg.loss_scale is None else 1.0 / state.loss_scale.scale
     shards = exact_reduce_scatter(grads, layout, cfg.axes, inv_scale, fn)
     # The norm's shard boundaries move with N: its sum of squares is exact too.
     grad_norm = jnp.sqrt(exact_total([jnp.square(s) for s in shards], cfg.axes))

@@ -21,6 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 from ..core.axes import AxisName, bound_axes, mesh_axes_size, normalize_axes, rank, to_varying
 from ..core.specs import param_specs_of
+from ..core.tree_reduce import count_zeros
 from ..deterministic.exact import UNIT_GRADS_WITHOUT_MODE, exact_shards
 from ..deterministic.units import Deterministic, UnitGrads, check_deterministic
 from ..layout.layout import Layout
@@ -325,7 +326,8 @@ def distributed_optimizer(
         bound_axes(axes, fn)
         layout = cfg.layout_inside(params)
         check_update(grads, state, params, layout, cfg, fn)
-        inv_scale = 1.0 / state.loss_scale.scale
+        # Without loss scaling the scale is 1: leave its multiply out of the program.
+        inv_scale = None if cfg.loss_scale is None else 1.0 / state.loss_scale.scale
         if det is not None:
             shards, grad_norm, num_zeros, finite, flags = exact_shards(cfg, layout, grads, state)
             return apply_shards(
@@ -337,9 +339,9 @@ def distributed_optimizer(
             )
         if isinstance(grads, ShardedGrads):
             # Reduced already (inside the backward scan): only unscale.
-            shards = tuple(
-                s * inv_scale.astype(s.dtype) for s in check_sharded_grads(grads, layout)
-            )
+            shards = check_sharded_grads(grads, layout)
+            if inv_scale is not None:
+                shards = tuple(s * inv_scale.astype(s.dtype) for s in shards)
         else:
             layout.check_tree(grads, "grads")
             shards = bucket_reduce_scatter(
@@ -362,7 +364,7 @@ def distributed_optimizer(
                 jnp.stack(
                     [
                         jnp.sum(jnp.square(s.astype(jnp.float32))),
-                        jnp.sum(s == 0).astype(jnp.float32),
+                        count_zeros(s),
                     ]
                 )
                 / copies

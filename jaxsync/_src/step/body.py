@@ -21,7 +21,7 @@ from ..sync.grad_sync import accumulate_grads, all_reduce_grads, value_and_grad
 from ..sync.scan_sync import DataParallel, sync_value_and_grad
 from .held import gather_held, held_buffers, master_rows, stand_ins, strip
 from .modes import deterministic_of
-from .parts import Plan, finish, loss_of, outputs, settle, unscale
+from .parts import Plan, finish, loss_of, outputs, scale_of, settle, unscale
 from .train_state import TrainState, global_stats, padding_of
 from .two_d.body import spec_body
 
@@ -108,11 +108,16 @@ def ddp_body(cfg: Any, plan: Plan, state: TrainState, batch: Any) -> tuple[Train
             local, axis_name=cfg.axis_name, bucket_size=mode.bucket_size,
             reduce_dtype=mode.reduce_dtype, rules=mode.rules, deterministic=mode.deterministic,
         )  # fmt: skip
-    grads = unscale(grads, state.loss_scale.scale)
+    # The statistics of the reduced grads before unscaling (read back out of the
+    # reduced buckets, which XLA sees through), then the loss scale taken out.
+    scale = scale_of(cfg, state)
+    sq, zeros = global_stats(grads)
+    grads = unscale(grads, scale)
+    stats = (sq if scale is None else sq / jnp.square(scale.astype(jnp.float32)), zeros)
     # Deterministic: per-device flags would depend on the DP size; flag units, as ZeRO.
     units = nonfinite_flags(local) if mode.deterministic is not None else None
     flags = grads if units is not None else local
-    return finish(cfg, plan, state, grads, flags, global_stats(grads), loss, rest, units)
+    return finish(cfg, plan, state, grads, flags, stats, loss, rest, units)
 
 
 def fsdp_body(cfg: Any, plan: Plan, state: TrainState, batch: Any) -> tuple[TrainState, Any]:
@@ -128,7 +133,7 @@ def fsdp_body(cfg: Any, plan: Plan, state: TrainState, batch: Any) -> tuple[Trai
         microbatches=cfg.microbatches,
         has_aux=True,
     )
-    grads = unscale(grads, state.loss_scale.scale)
+    grads = unscale(grads, scale_of(cfg, state))
     stats = global_stats(grads, fs.axes, padding_of([fs.layout(u) for u in fs.units]))
     new, out = finish(cfg, plan, state, grads, grads, stats, loss, rest)
     return new._replace(params=FsdpShards(new.params, fs.units)), out

@@ -55,7 +55,7 @@ def loss_of(
     merging an NNX module if any (the model state of a pytree loss is ``{}``).
     ``batch`` is this device's rows (all microbatches): a :func:`jaxsync.weighted_loss`
     is normalized by the weight of the global batch they are part of."""
-    scale = state.loss_scale.scale
+    scale = scale_of(cfg, state)
     factor = weight_factor(cfg.loss_fn, batch, cfg.axis_name, cfg.microbatches)
     fn = cfg.loss_fn if factor is None else cfg.loss_fn.sum_fn
 
@@ -86,7 +86,9 @@ def loss_of(
         check_loss(out, cfg.axis_name, cfg.mode.name, "jaxsync.train_step")
         if factor is not None:
             out = out * factor.astype(out.dtype)
-        return out * scale.astype(out.dtype), LossAux(rest, user)
+        if scale is not None:
+            out = out * scale.astype(out.dtype)
+        return out, LossAux(rest, user)
 
     return loss
 
@@ -169,7 +171,9 @@ def settle(new: Any, old: Any, finite: jax.Array) -> Any:
 def mean_loss(cfg: Any, loss: jax.Array, state: TrainState) -> jax.Array:
     """The loss averaged over the data axes, and over any other axis it varies
     over (a sequence-parallel loss computed piecewise over ``"tensor"``)."""
-    loss = loss / state.loss_scale.scale.astype(loss.dtype)
+    scale = scale_of(cfg, state)
+    if scale is not None:
+        loss = loss / scale.astype(loss.dtype)
     if deterministic_of(cfg.mode) is not None:  # already the exact global mean everywhere
         bad = jax.lax.pmax(jnp.logical_not(jnp.isfinite(loss)).astype(jnp.int32), cfg.axis_name)
         loss = jax.lax.pmax(loss, cfg.axis_name)
@@ -181,7 +185,17 @@ def mean_loss(cfg: Any, loss: jax.Array, state: TrainState) -> jax.Array:
     return jnp.where(jnp.isnan(loss), jnp.asarray(jnp.nan, loss.dtype), loss)  # one NaN
 
 
-def unscale(grads: Any, scale: jax.Array) -> Any:
+def scale_of(cfg: Any, state: TrainState) -> jax.Array | None:
+    """The loss scale the step multiplies the loss by, or None when the step has no
+    loss scaling: the scale is then 1, and a multiply of the loss and a divide of
+    every gradient leaf by it are left out of the program (each leaf's divide was
+    one more kernel to compile)."""
+    return None if cfg.loss_scale is None else state.loss_scale.scale
+
+
+def unscale(grads: Any, scale: jax.Array | None) -> Any:
+    if scale is None:
+        return grads
     return jax.tree.map(lambda g: (g.astype(jnp.float32) / scale).astype(g.dtype), grads)
 
 

@@ -26,7 +26,7 @@ from ...core.names import group_of
 from ...fsdp.grad import split_microbatches
 from ...sync.grad_sync import accumulate_grads
 from ...sync.tap_rules import check_taps
-from ..parts import finish, loss_of, unscale
+from ..parts import finish, loss_of, scale_of, unscale
 from ..train_state import TrainState, global_stats
 from .dims import DimPlan, DimSync, gather, reduce
 from .plan import SpecLayout, SpecZeroState
@@ -152,7 +152,7 @@ def spec_body(cfg: Any, plan: Any, state: TrainState, batch: Any) -> tuple[Train
                 grads[i] = gi
     dtypes = [jnp.float32 if scatter else jnp.dtype(p.dtype) for p in plans]
     grads = [x.astype(d) for x, d in zip(grads, dtypes, strict=True)]
-    grads = unscale(jax.tree.unflatten(treedef, grads), state.loss_scale.scale)
+    grads = unscale(jax.tree.unflatten(treedef, grads), scale_of(cfg, state))
     stats = _stats(jax.tree.leaves(grads), plans, data, scatter)
     if mode != "zero":
         return finish(cfg, plan, state, grads, grads, stats, out, rest)
