@@ -31,7 +31,7 @@ def env(devices):
     return e
 
 
-def train(run_dir, *extra, nproc=1, devices=4, timeout=300):
+def train(run_dir, *extra, nproc=1, devices=4, timeout=None):
     args = [
         TRAIN,
         "--config",
@@ -51,10 +51,17 @@ def train(run_dir, *extra, nproc=1, devices=4, timeout=300):
             str(nproc),
             "--devices-per-proc",
             str(devices),
+            # A stuck job ends with every rank's Python stack in the output (the
+            # launcher's report) before the subprocess timeout, which only says
+            # "timed out": once in a full suite on 2 busy cores this run took over
+            # 300 s (42 s alone, 60 s beside two busy loops), with nothing to read.
+            "--stall-timeout",
+            "200",
             *args,
         ]
     else:
         cmd = [sys.executable, *args]
+    timeout = timeout or (480 if nproc > 1 else 300)
     out = subprocess.run(
         cmd, env=env(devices), cwd=ROOT, capture_output=True, text=True, timeout=timeout
     )
