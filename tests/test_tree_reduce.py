@@ -1,8 +1,9 @@
-"""The guard's one-pass reductions (core.tree_reduce) against numpy, leaf by leaf."""
+"""The guard's reductions (core.tree_reduce) against numpy, and the step metrics built on them."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from jaxsync._src.core.tree_reduce import nonfinite_leaves, sq_sum_and_zeros
 
@@ -54,3 +55,45 @@ def test_sq_sum_and_zeros_match_numpy():
     np.testing.assert_allclose(float(sq), want_sq, rtol=1e-6)
     assert int(zeros) == want_zeros and want_zeros > 0
     assert [float(v) for v in sq_sum_and_zeros([])] == [0.0, 0.0]
+
+
+@pytest.mark.parametrize("mode", ["ddp", "zero", "fsdp"])
+@pytest.mark.parametrize("loss_scale", [None, 8.0])
+def test_step_metrics_match_the_single_device_gradient(mesh8, mode, loss_scale):
+    """The guard's norm and zero count in every mode, with and without a loss scale
+    (DDP reads them from its reduced buckets, scaled, and divides the scale out),
+    and the per-param NaN flags of a skipped step."""
+    import optax
+    from helpers import make_batches, mlp_loss, mlp_params
+
+    import jaxsync
+
+    params = mlp_params(jax.random.PRNGKey(0))
+    params["unused"] = jnp.ones((37,))  # not in the loss: exactly zero gradients
+    xs, ys = make_batches(jax.random.PRNGKey(1), 1, 16)
+    batch = (np.asarray(xs[0]), np.asarray(ys[0]))
+    step = jaxsync.train_step(mlp_loss, optax.sgd(0.1), mesh8, mode, loss_scale=loss_scale)
+    state, _ = step(step.init(params), batch)
+    g = jax.grad(mlp_loss)(params, batch)
+    leaves = [np.asarray(x, np.float64) for x in jax.tree.leaves(g)]
+    norm = np.sqrt(sum(float(np.sum(x * x)) for x in leaves))
+    np.testing.assert_allclose(float(state.metrics.grad_norm), norm, rtol=1e-5)
+    assert int(state.metrics.num_zeros) == sum(int(np.sum(x == 0)) for x in leaves) >= 37
+    assert not bool(state.metrics.skipped)
+
+    # A NaN in one device's rows: the step is skipped and the params it reaches are named.
+    bad = (batch[0].copy(), batch[1])
+    bad[0][3, 0] = np.nan  # row 3: device 1's (2 rows per device)
+    before = jax.device_get(step.params(state))
+    state, _ = step(state, bad)
+    assert bool(state.metrics.skipped)
+    after = jax.device_get(step.params(state))
+    for a, b in zip(jax.tree.leaves(after), jax.tree.leaves(before), strict=True):
+        np.testing.assert_array_equal(a, b)
+    # FSDP flags its units (state.params' keys) after their reduction, where the NaN
+    # has spread to every device; the others flag each param's local gradient.
+    named = state.params if mode == "fsdp" else params
+    report = jaxsync.nonfinite_report(state, named, mesh8)
+    assert "layer0" in report and "unused" not in report, report
+    if mode != "fsdp":
+        assert "layer0.w on 1 device(s), first on device 1 (data=1)" in report, report
