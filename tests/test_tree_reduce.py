@@ -97,3 +97,6 @@ def test_step_metrics_match_the_single_device_gradient(mesh8, mode, loss_scale):
     assert "layer0" in report and "unused" not in report, report
     if mode != "fsdp":
         assert "layer0.w on 1 device(s), first on device 1 (data=1)" in report, report
+    else:
+        with pytest.raises(ValueError, match="pass `state.params`"):
+            jaxsync.nonfinite_report(state, params, mesh8)

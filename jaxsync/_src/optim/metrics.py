@@ -114,7 +114,9 @@ def nonfinite_report(state: Any, params: PyTree, mesh: Any = None) -> str:
     if count.size != len(names):
         raise ValueError(
             f"`params` has {len(names)} leaves, but the metrics were recorded for "
-            f"{count.size} params; pass the params the optimizer was built for."
+            f"{count.size} params; pass the params the optimizer was built for (a "
+            "jaxsync.train_step state in mode 'fsdp' records its units: pass "
+            "`state.params`)."
         )
 
     def where(d: int) -> str:
