@@ -190,7 +190,7 @@ def _tap_bwd(spec: TapSpec, res: Any, ct: PyTree) -> tuple[None, Any, None]:
     # Which leaves had a non-finite *local* gradient, before any reduction (for
     # the distributed optimizer's skipped-step report). Not core.tree_reduce's
     # float sums, which compile faster on CPU: inside the layer loop they held
-    # 153 MiB more per H100 (ZeRO, 7.2B Llama-style, 64 GPUs; the same at 8).
+    # 153 MiB more per H100 (ZeRO, 7.2B Llama-style, 64 GPUs; no change at 8).
     flags = jnp.stack([jnp.logical_not(jnp.all(jnp.isfinite(g))) for g in leaves])
     by_slot: list[Any] = [None] * len(layout.slots)
     for si, leaf in zip(spec.slots, leaves, strict=True):
