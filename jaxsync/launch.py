@@ -320,10 +320,16 @@ class _Job:
                         f" Process {r} had made no progress for {age:.0f}s (at {where})."
                         for r, (age, where) in sorted(self.stalled(_IDLE).items())
                     )
+                    # The others may have ended already (a peer's collective fails
+                    # fast once this one's connection closes).
+                    rest = (
+                        f"stopping process(es) {running}, which were still running."
+                        if running
+                        else "no other process was still running."
+                    )
                     self.say(
                         f"process {ended.rank} failed first: it {how}{note} after "
-                        f"{ended.time - start:.1f}s; stopping process(es) {running}, which "
-                        f"were still running.{idle}"
+                        f"{ended.time - start:.1f}s; {rest}{idle}"
                     )
                     return code
                 if self.nproc > 1 and not self.joined(ended.rank):

@@ -149,7 +149,12 @@ def test_raising_rank_is_blamed_and_the_job_ends_promptly(tmp_path):
     assert out.returncode == 1
     assert "[1] RuntimeError: rank one gives up" in out.stdout
     assert "process 1 failed first: it exited with code 1" in out.stderr
-    assert "stopping process(es) [0]" in out.stderr
+    # Rank 0 is stopped, or its own collective has already failed on the closed
+    # connection (seen under load): either way it is not left waiting.
+    assert (
+        "stopping process(es) [0]" in out.stderr
+        or "no other process was still running" in out.stderr
+    ), out.stderr
     assert secs < 25, secs  # before: rank 1 waited in JAX's shutdown, rank 0 in gloo
     assert not any(_alive(p) for p in _pids(tmp_path))
 

@@ -33,6 +33,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from ..core.cpu_order import put
 from ..core.names import param_name
 from ..fsdp import shards as fsdp_shards
 from ..fsdp.held import FsdpShards
@@ -174,7 +175,7 @@ def from_portable(ts: Any, portable: dict[str, Any], like: TrainState, fn: str) 
     model_state = _data_to_keys(portable["model_state"], like.model_state)
     state = TrainState(portable["step"], params, opt, model_state, guard)
     state = jax.tree.unflatten(jax.tree.structure(like), jax.tree.leaves(state))
-    return jax.tree.map(lambda x, ref: jax.device_put(x, ref.sharding), state, like)
+    return jax.tree.map(lambda x, ref: put(x, ref.sharding), state, like)  # cpu_order
 
 
 def _described_tx(ts: Any, state: TrainState, fn: str) -> Any:

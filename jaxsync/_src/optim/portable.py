@@ -23,7 +23,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ..core.cpu_order import settle
+from ..core.cpu_order import put, settle
 from ..core.names import param_name
 from ..layout.layout import Layout
 from . import layerwise
@@ -256,9 +256,11 @@ def convert(fn: Any, args: Any, mesh: Mesh, out_shardings: Any, *, key: Any = No
     the compiled program is reused by later calls with the same key.
     """
     auto = _auto(mesh)
+    # Each put below may be a reshard program with collectives: one at a time, and
+    # none while the step that made the arrays is still running (cpu_order).
     args = jax.tree.map(
         lambda x: (
-            jax.device_put(x, NamedSharding(auto, x.sharding.spec))
+            put(settle(x), NamedSharding(auto, x.sharding.spec))
             if isinstance(getattr(x, "sharding", None), NamedSharding)
             else x
         ),
@@ -277,7 +279,7 @@ def convert(fn: Any, args: Any, mesh: Mesh, out_shardings: Any, *, key: Any = No
                 _PROGRAMS.pop(next(iter(_PROGRAMS)))
             _PROGRAMS[key] = jitted
     out = settle(jitted(*args))  # callers convert per label or slot: cpu_order
-    return jax.tree.map(lambda x, s: jax.device_put(x, s), out, out_shardings)
+    return jax.tree.map(put, out, out_shardings)
 
 
 def from_portable(
