@@ -3,8 +3,11 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
+from helpers import make_batches, mlp_loss, mlp_params
 
+import jaxsync
 from jaxsync._src.core.tree_reduce import nonfinite_leaves, sq_sum_and_zeros
 
 SHAPES = [(5, 7), (3000,), (2,), (0,), (1025,), (1024,), (3, 1, 4), ()]
@@ -63,11 +66,6 @@ def test_step_metrics_match_the_single_device_gradient(mesh8, mode, loss_scale):
     """The guard's norm and zero count in every mode, with and without a loss scale
     (DDP reads them from its reduced buckets, scaled, and divides the scale out),
     and the per-param NaN flags of a skipped step."""
-    import optax
-    from helpers import make_batches, mlp_loss, mlp_params
-
-    import jaxsync
-
     params = mlp_params(jax.random.PRNGKey(0))
     params["unused"] = jnp.ones((37,))  # not in the loss: exactly zero gradients
     xs, ys = make_batches(jax.random.PRNGKey(1), 1, 16)

@@ -102,7 +102,7 @@ def exact_shards(
     cfg: Any,
     layout: Any,
     grads: Any,
-    state: Any,
+    inv_scale: jax.Array | None,
 ) -> tuple[tuple[jax.Array, ...], jax.Array, jax.Array, jax.Array, jax.Array]:
     """The distributed optimizer's reduction in deterministic mode.
 
@@ -123,8 +123,8 @@ def exact_shards(
             f"{fn}: `deterministic=` needs the data axes {cfg.axes} to be the whole mesh "
             f"{mesh_axes}."
         )
-    # As the step: without loss scaling the loss was not multiplied by the state's scale.
-    inv_scale = jnp.float32(1) if cfg.loss_scale is None else 1.0 / state.loss_scale.scale
+    if inv_scale is None:  # no loss scaling (optim.loss_scale.active_scale)
+        inv_scale = jnp.float32(1)
     shards = exact_reduce_scatter(grads, layout, cfg.axes, inv_scale, fn)
     # The norm's shard boundaries move with N: its sum of squares is exact too.
     grad_norm = jnp.sqrt(exact_total([jnp.square(s) for s in shards], cfg.axes))

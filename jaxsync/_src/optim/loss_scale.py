@@ -115,6 +115,14 @@ def init_loss_scale(loss_scale: LossScale) -> LossScaleState:
     )
 
 
+def active_scale(loss_scale: LossScale, state: LossScaleState) -> jax.Array | None:
+    """The scale a step multiplies its loss by, or None without loss scaling: the
+    scale is then 1, and the multiply of the loss and the divide of the gradients
+    by it are left out of the program (each leaf's divide is a kernel to compile).
+    One rule for the step, the distributed optimizer and deterministic mode."""
+    return None if loss_scale is None else state.scale
+
+
 def update_loss_scale(
     loss_scale: LossScale, state: LossScaleState, finite: jax.Array
 ) -> LossScaleState:

@@ -31,7 +31,7 @@ from ..sync.collectives import bucket_reduce_scatter, gather_params
 from ..sync.finalize import SyncRules
 from ..sync.scan_sync import ShardedGrads
 from .checks import check_optimizer_args, check_update
-from .loss_scale import LossScale, check_loss_scale, update_loss_scale
+from .loss_scale import LossScale, active_scale, check_loss_scale, update_loss_scale
 from .metrics import next_metrics
 from .plan import Labels, Plan
 from .portable import convert, from_portable, portable_fn, signature
@@ -326,10 +326,11 @@ def distributed_optimizer(
         bound_axes(axes, fn)
         layout = cfg.layout_inside(params)
         check_update(grads, state, params, layout, cfg, fn)
-        # Without loss scaling the scale is 1: leave its multiply out of the program.
-        inv_scale = None if cfg.loss_scale is None else 1.0 / state.loss_scale.scale
+        scale = active_scale(cfg.loss_scale, state.loss_scale)
+        inv_scale = None if scale is None else 1.0 / scale
         if det is not None:
-            shards, grad_norm, num_zeros, finite, flags = exact_shards(cfg, layout, grads, state)
+            exact = exact_shards(cfg, layout, grads, inv_scale)
+            shards, grad_norm, num_zeros, finite, flags = exact
             return apply_shards(
                 cfg, layout, shards, state, params, None, grad_norm, num_zeros, finite, flags
             )

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 
 from ..core.axes import to_varying, varying_axes
 from ..core.validate import check_loss
+from ..optim.loss_scale import active_scale
 from ..sync.views import is_view, trace_views
 from .modes import deterministic_of
 from .nnx_bridge import ModelDef
@@ -186,11 +187,8 @@ def mean_loss(cfg: Any, loss: jax.Array, state: TrainState) -> jax.Array:
 
 
 def scale_of(cfg: Any, state: TrainState) -> jax.Array | None:
-    """The loss scale the step multiplies the loss by, or None when the step has no
-    loss scaling: the scale is then 1, and a multiply of the loss and a divide of
-    every gradient leaf by it are left out of the program (each leaf's divide was
-    one more kernel to compile)."""
-    return None if cfg.loss_scale is None else state.loss_scale.scale
+    """The step's :func:`active_scale` (None without loss scaling)."""
+    return active_scale(cfg.loss_scale, state.loss_scale)
 
 
 def unscale(grads: Any, scale: jax.Array | None) -> Any:
