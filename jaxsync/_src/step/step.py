@@ -275,7 +275,12 @@ class TrainStep:
         axes = self.axis_name
         data = axes if len(axes) > 1 else axes[0]
         donate = (0,) if self.donate else ()
-        step = lambda state, batch: per_device(self, plan, state, batch)  # noqa: E731
+
+        def step(state: TrainState, batch: Any) -> tuple[TrainState, Any]:
+            return per_device(self, plan, state, batch)
+
+        # The program's name in profiles, dumps and XLA's logs: jit_jaxsync_zero_step.
+        step.__name__ = step.__qualname__ = f"jaxsync_{self.mode.name}_step"
         if plan.dims is None:
             body = jax.shard_map(
                 step, mesh=self.mesh, in_specs=(plan.specs, P(data)), out_specs=(plan.specs, P())
