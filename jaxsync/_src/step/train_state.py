@@ -119,6 +119,7 @@ def guarded_update(
     clip_grad_norm: float | None,
     loss_scale: LossScale,
     unit_flags: jax.Array | None = None,
+    branch: bool = False,
 ) -> tuple[PyTree, PyTree, LossScaleState, StepMetrics, jax.Array]:
     """One optax step on reduced, unscaled ``grads``, skipped if they are not finite.
 
@@ -127,6 +128,11 @@ def guarded_update(
     ``flags_from``: the gradients whose per-leaf NaN/Inf flags the metrics record
     (the local ones, before the reduction, where the step still has them);
     ``unit_flags`` (deterministic mode) flags units instead, as ZeRO does.
+    ``branch``: skip with a ``lax.cond`` instead of a select per output. On XLA:CPU
+    the predicate is host memory, so the branch is free, and the update compiles
+    without the selects (the linen MLP's DDP step: 1.43 -> 0.86 s, temporaries
+    2.4 -> 1.8 MB). XLA:GPU must copy the predicate to the host and, on the 1.1B
+    Llama-style model, gave the DDP step 9.3 GiB more temporaries: selects there.
 
     Returns:
       ``(params, opt_state, loss_scale, metrics, finite)``.
@@ -135,13 +141,20 @@ def guarded_update(
     grads, grad_norm, finite, zeros = clip_and_check(grads, sq, zeros, clip_grad_norm)
     # No zeroing of non-finite grads first: every output below is selected by
     # `finite`, so a NaN never leaves a skipped step (one select less per leaf).
-    updates, opt_state = tx.update(grads, state.opt_state, state.params)
-    new_params = jax.tree.map(
-        lambda p, u: jnp.asarray(p + u).astype(p.dtype), state.params, updates
-    )  # optax.apply_updates' arithmetic
-    keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
-    params = keep(new_params, state.params)
-    opt_state = keep(opt_state, state.opt_state)
+    old = (state.params, state.opt_state)
+
+    def update(grads: PyTree, old: tuple[PyTree, PyTree]) -> tuple[PyTree, PyTree]:
+        updates, opt_state = tx.update(grads, old[1], old[0])
+        params = jax.tree.map(lambda p, u: jnp.asarray(p + u).astype(p.dtype), old[0], updates)
+        return params, opt_state  # optax.apply_updates' arithmetic
+
+    if branch:
+        params, opt_state = jax.lax.cond(
+            finite, lambda g, o: update(g, o), lambda g, o: o, grads, old
+        )
+    else:
+        new = update(grads, old)
+        params, opt_state = jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
     scale = update_loss_scale(loss_scale, state.loss_scale, finite)
     metrics = next_metrics(state.metrics, flags_from, finite, grad_norm, zeros, unit_flags)
     return params, opt_state, scale, metrics, finite
