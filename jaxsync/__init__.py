@@ -65,12 +65,12 @@ from jaxsync._src.optim.state import DistributedOptimizerState as DistributedOpt
 from jaxsync._src.optim.state import StepMetrics as StepMetrics
 from jaxsync._src.step.builder import MultiStepsWarning as MultiStepsWarning
 from jaxsync._src.step.builder import train_step as train_step
-from jaxsync._src.step.linen_scan import linen_scan as linen_scan
+from jaxsync._src.step.models.linen_scan import linen_scan as linen_scan
+from jaxsync._src.step.models.nnx_bridge import merge_module as merge_module
+from jaxsync._src.step.models.nnx_bridge import scan_layers as scan_layers
 from jaxsync._src.step.modes import DDP as DDP
 from jaxsync._src.step.modes import FSDP as FSDP
 from jaxsync._src.step.modes import ZeRO as ZeRO
-from jaxsync._src.step.nnx_bridge import merge_module as merge_module
-from jaxsync._src.step.nnx_bridge import scan_layers as scan_layers
 from jaxsync._src.step.skips import AlwaysSkippedWarning as AlwaysSkippedWarning
 from jaxsync._src.step.step import TrainStep as TrainStep
 from jaxsync._src.step.train_state import TrainState as TrainState

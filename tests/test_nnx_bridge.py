@@ -21,7 +21,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import jaxsync
-from jaxsync._src.step.nnx_bridge import split_model
+from jaxsync._src.step.models.nnx_bridge import split_model
 from tests.helpers import nnx_reference
 
 ROWS, STEPS, LAYERS = 16, 2, 3

@@ -18,8 +18,8 @@ from ..core.axes import to_varying, varying_axes
 from ..core.validate import check_loss
 from ..optim.loss_scale import active_scale
 from ..sync.views import is_view, trace_views
+from .models.nnx_bridge import ModelDef
 from .modes import deterministic_of
-from .nnx_bridge import ModelDef
 from .train_state import GuardState, TrainState, guarded_update
 from .weighted import weight_factor
 

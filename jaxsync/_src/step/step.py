@@ -20,7 +20,7 @@ and loss scaling (the distributed optimizer's arithmetic).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -29,18 +29,15 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ..core.names import group_of, param_name
+from ..core.names import param_name
 from ..core.specs import full_spec
 from ..core.validate import check_float_params
-from ..fsdp.fully_shard import fully_shard
 from ..fsdp.held import NOT_PARAMS, FsdpShards
 from ..multihost import watchdog
 from ..multihost.data import place_batch
-from ..optim.loss_scale import LossScale, init_loss_scale
-from ..optim.optimizer import distributed_optimizer
+from ..optim.loss_scale import LossScale
 from ..optim.portable import signature
-from ..optim.state import initial_metrics
-from . import handed, linen, skips
+from . import handed, skips
 from .body import per_device
 from .checks import (
     check_deterministic_state,
@@ -50,12 +47,14 @@ from .checks import (
     check_state_alive,
     check_state_mesh,
 )
-from .held import held_groups, strip, whole_params
-from .modes import DDP, Mode, ZeRO, deterministic_of
-from .nnx_bridge import is_graphdef, is_module, merge_split, split_model
+from .held import whole_params
+from .make import distinct, make_state, replicated_copy
+from .models import linen
+from .models.nnx_bridge import is_graphdef, is_module, merge_split, split_model
+from .modes import DDP, Mode, deterministic_of
 from .parts import Plan
-from .train_state import GuardState, TrainState
-from .two_d.plan import make_state, project, spec_layout, spec_master, spec_params
+from .train_state import TrainState
+from .two_d.plan import project, spec_layout, spec_master, spec_params
 from .xla_options import step_compiler_options
 
 PyTree = Any
@@ -101,11 +100,11 @@ class TrainStep:
         # over other axes keep their sharding (copied by two_d.plan.make_state).
         layout = spec_layout(self, params)
         if layout is not None:
-            rest = _replicated_copy(rest, self.mesh)
+            rest = replicated_copy(rest, self.mesh)
         else:
-            params, rest = _replicated_copy((params, rest), self.mesh)
-        state, plan = self._make(model, params, rest, layout)
-        state = _distinct(state)
+            params, rest = replicated_copy((params, rest), self.mesh)
+        state, plan = make_state(self, model, params, rest, layout)
+        state = distinct(state)
         self._register(state, plan)
         handed.note(self, state)
         return state
@@ -124,7 +123,7 @@ class TrainStep:
         layout = spec_layout(self, params)  # from the shardings, before tracing drops them
 
         def make(params: PyTree, rest: PyTree) -> TrainState:
-            state, built["plan"] = self._make(model, params, rest, layout)
+            state, built["plan"] = make_state(self, model, params, rest, layout)
             return state
 
         shapes = jax.eval_shape(make, params, rest)
@@ -160,67 +159,6 @@ class TrainStep:
         check_param_shardings(params, self, fn)
         check_deterministic_state(deterministic_of(self.mode), rest, self.mode.name, fn)
         return model, params, rest
-
-    def _make(
-        self, model: Any, params: PyTree, rest: PyTree, layout: Any = None
-    ) -> tuple[TrainState, Plan]:
-        """The state and its plan from replicated ``params`` (traceable: no host reads);
-        with ``layout`` (params sharded over other axes) the 2-D state of :mod:`two_d.plan`."""
-        if layout is not None:
-            state, specs, tx, dims = make_state(self, params, rest, layout)
-            return state, Plan(model, _template(params), tx, None, specs, None, dims)  # type: ignore[arg-type]
-        mesh, axes, rep = self.mesh, self.axis_name, NamedSharding(self.mesh, P())
-        n_leaves = len(jax.tree.leaves(params))
-        template = _template(params)
-        fs, tx, mode, groups = None, self.tx, self.mode, ()
-        if isinstance(mode, ZeRO):
-            tx = distributed_optimizer(
-                self.tx, axis_name=axes, bucket_size=mode.bucket_size,
-                reduce_dtype=mode.reduce_dtype, clip_grad_norm=self.clip_grad_norm,
-                loss_scale=self.loss_scale, rules=mode.rules, stacked=self.stacked or None,
-                deterministic=mode.deterministic, labels=self.labels,
-            )  # fmt: skip
-            opt_state = tx.sharded_init(params, mesh)
-            opt_specs = tx.state_specs(params, mesh)
-            groups = held_groups(tx, template, mesh, mode, self.stacked)
-            held, n_flags = strip(params, groups), n_leaves
-            param_specs = jax.tree.map(lambda _: P(), held)
-        elif isinstance(mode, DDP):
-            init = jax.shard_map(self.tx.init, mesh=mesh, in_specs=(P(),), out_specs=P())
-            opt_state = jax.jit(init)(params)
-            opt_specs = jax.tree.map(lambda _: P(), opt_state)
-            param_specs, held, n_flags = jax.tree.map(lambda _: P(), params), params, n_leaves
-        else:
-            fs = fully_shard(
-                params, axis_name=axes, units=mode.units or _default_units(params, self.stacked),
-                mesh=mesh, policy=mode.policy, reshard_after_forward=mode.reshard_after_forward,
-                stacked=self.stacked or None, labels=self.labels,
-            )  # fmt: skip
-            shards = fs.shard(params)
-            tx = self.tx if self.labels is None else fs.multi_transform(self.tx)
-            opt_state, opt_specs = fs.init_optimizer(tx, shards, mesh)  # over the plain dict
-            # state.params says what it holds (not the params) and where they are.
-            held, param_specs = FsdpShards(shards, fs.units), FsdpShards(fs.specs(), fs.units)
-            n_flags = len(fs.units)
-        guard = None
-        if not isinstance(mode, ZeRO):
-            guard = jax.device_put(
-                GuardState(init_loss_scale(self.loss_scale), initial_metrics(n_flags)), rep
-            )
-        state = TrainState(
-            step=jax.device_put(jnp.zeros((), jnp.int32), rep),
-            params=held,
-            opt_state=opt_state,
-            model_state=rest,
-            guard=guard,
-        )
-        specs = TrainState(
-            step=P(), params=param_specs, opt_state=opt_specs,
-            model_state=jax.tree.map(lambda _: P(), rest),
-            guard=jax.tree.map(lambda _: P(), guard),
-        )  # fmt: skip
-        plan = Plan(model, template, tx, fs, specs, None, held=groups)  # type: ignore[arg-type]
-        return state, plan
 
     def _register(self, state: TrainState, plan: Plan) -> None:
         object.__setattr__(plan, "fn", self._build(plan))
@@ -377,48 +315,3 @@ class TrainStep:
                 "nnx.Module; read `step.params(state)` instead."
             )
         return plan.model.merge(self.params(state), state.model_state)
-
-
-def _replicated_copy(tree: PyTree, mesh: Mesh) -> PyTree:
-    """``tree`` replicated over ``mesh`` in new buffers (``device_put`` may reuse the
-    caller's buffer for one device, even with ``may_alias=False``)."""
-    placed = jax.device_put(tree, NamedSharding(mesh, P()))
-    copy = jax.shard_map(
-        lambda t: jax.tree.map(jnp.copy, t), mesh=mesh, in_specs=P(), out_specs=P()
-    )
-    return jax.jit(copy)(placed)
-
-
-def _template(params: PyTree) -> PyTree:
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
-
-
-def _distinct(tree: PyTree) -> PyTree:
-    """``tree`` as the step returns it: specs written out per dimension (``P()`` of
-    a matrix is ``P(None, None)``, else the second call would compile again), and
-    no buffer twice (shared zeros, tied leaves), since the step donates the state
-    and XLA refuses to donate one buffer for two arguments."""
-    seen: set[Any] = set()
-
-    def one(x: jax.Array) -> jax.Array:
-        spec = x.sharding.spec
-        if len(spec) < x.ndim:
-            x = jax.device_put(x, NamedSharding(x.sharding.mesh, full_spec(spec, x.ndim)))
-        ptrs = {s.data.unsafe_buffer_pointer() for s in x.addressable_shards}
-        if ptrs & seen:
-            x = jax.device_put(x, x.sharding, may_alias=False)
-            ptrs = {s.data.unsafe_buffer_pointer() for s in x.addressable_shards}
-        seen.update(ptrs)
-        return x
-
-    return jax.tree.map(one, tree)
-
-
-def _default_units(params: PyTree, stacked: Sequence[str]) -> list[str]:
-    """One FSDP unit per top-level entry of the params (stacked groups: their own)."""
-    units: dict[str, None] = {}
-    for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]:
-        name = param_name(path)
-        if group_of(name, stacked) is None:
-            units[name.split(".")[0]] = None
-    return list(units)

@@ -23,7 +23,7 @@ from typing import Any
 import jax
 from flax import nnx
 
-from ..sync.views import TRACE_VIEWS, is_view, tap
+from ...sync.views import TRACE_VIEWS, is_view, tap
 
 PyTree = Any
 

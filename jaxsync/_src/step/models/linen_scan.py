@@ -30,7 +30,7 @@ import flax.linen as nn
 import jax
 from flax.core.scope import in_filter
 
-from ..sync.views import is_view, tap
+from ...sync.views import is_view, tap
 
 PARAMS = "params"
 
