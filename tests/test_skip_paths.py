@@ -68,3 +68,28 @@ def test_a_finite_step_is_clipped_optax_and_a_nonfinite_one_changes_nothing(bran
     ):  # fmt: skip
         assert got.dtype == want.dtype
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def _drifting(dtype):
+    """SGD whose state, made in bf16 by init, comes back from update in ``dtype``."""
+
+    def init(params):
+        return jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.bfloat16), params)
+
+    def update(grads, state, params=None):
+        return jax.tree.map(lambda g: -0.1 * g, grads), jax.tree.map(
+            lambda s, g: (s + g).astype(dtype), state, grads
+        )
+
+    return optax.GradientTransformation(init, update)
+
+
+@pytest.mark.parametrize("branch", [False, True], ids=["selects", "branch"])
+def test_an_optimizer_state_that_changes_dtype_is_named(branch):
+    params = {"w": jnp.ones((2, 2), jnp.float32)}
+    grads = {"w": jnp.full((2, 2), 0.5, jnp.float32)}
+    ok = _run(_drifting(jnp.bfloat16), _state(_drifting(jnp.bfloat16), params), grads, branch)
+    np.testing.assert_allclose(np.asarray(ok[0]["w"]), 0.95)  # the same dtype: trains
+    tx = _drifting(jnp.float32)
+    with pytest.raises(TypeError, match=r"\['w'\] as float32, but `tx.init` made it bfloat16"):
+        _run(tx, _state(tx, params), grads, branch)
