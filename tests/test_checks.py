@@ -575,11 +575,17 @@ def fsdp_setup(mesh):
     [
         (
             optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3)),
-            r"FullyShard.init_optimizer is not elementwise.*jaxsync.clip_by_global_norm",
+            r"FullyShard.init_optimizer holds optax.clip_by_global_norm, which is not "
+            r"elementwise: on a flat shard it clips by that shard's norm.*"
+            r"`clip_grad_norm=max_norm`.*jaxsync.clip_by_global_norm\(max_norm",
         ),
         (optax.lamb(1e-3), "FullyShard.init_optimizer is not elementwise"),
+        (  # jaxsync's own sharded clip is not blamed for lamb's trust ratio
+            optax.chain(jaxsync.clip_by_global_norm(1.0, axis_name="data"), optax.lamb(1e-3)),
+            "FullyShard.init_optimizer is not elementwise",
+        ),
     ],
-    ids=["clip_by_global_norm", "lamb"],
+    ids=["clip_by_global_norm", "lamb", "sharded_clip_and_lamb"],
 )
 def test_fsdp_optimizer_must_be_elementwise(mesh8, tx, match):
     params, fs = fsdp_setup(mesh8)

@@ -71,6 +71,16 @@ MUON_ON_SHARDS = (
     "Each matrix is then owned whole by one rank (jaxsync.distributed_optimizer(tx, "
     "labels=labels, ...) on the explicit path)."
 )
+GLOBAL_NORM_ON_SHARDS = (
+    "the optimizer for {what} holds optax.clip_by_global_norm, which is not "
+    "elementwise: on a flat shard it clips by that shard's norm, not the whole "
+    "gradient's ({detail}). Drop it from the optimizer and pass "
+    "`clip_grad_norm=max_norm` to `jaxsync.train_step` or "
+    "`jaxsync.distributed_optimizer`, which clip by the norm of the whole reduced "
+    "gradient with optax's arithmetic; on the explicit FSDP path chain "
+    "`jaxsync.clip_by_global_norm(max_norm, axis_name=...)` instead, which sums the "
+    "norm over the shards."
+)
 PROBE_FAILED = (
     "could not probe the optimizer for {what} on a tree shaped like the params: it "
     "raised {error!r}. Check that it accepts these params, or pass "
@@ -273,8 +283,22 @@ def _probe(
 
 
 def _not_elementwise(tx: Any, what: str, detail: str) -> str:
-    message = MUON_ON_SHARDS if is_muon(tx) else NOT_ELEMENTWISE
+    if is_muon(tx):
+        message = MUON_ON_SHARDS
+    elif _optax_global_norm_clip(tx):
+        message = GLOBAL_NORM_ON_SHARDS
+    else:
+        message = NOT_ELEMENTWISE
     return message.format(what=what, detail=detail)
+
+
+def _optax_global_norm_clip(tx: Any) -> bool:
+    """``tx`` holds optax's own ``clip_by_global_norm`` (jaxsync's has the name too)."""
+    return any(
+        factory_of(fn) == "clip_by_global_norm"
+        and getattr(fn, "__module__", "").split(".")[0] == "optax"
+        for fn in functions(tx)
+    )
 
 
 #: optax factories whose transformations treat each element on its own, whatever the
