@@ -367,3 +367,12 @@ def test_labels_are_checked(mesh8):
     with pytest.raises(TypeError, match="'no_decay': str"):
         jaxsync.train_step(loss_fn, {"decay": tx["decay"], "no_decay": "adam"}, mesh8,
                            labels=decay_matrices)  # fmt: skip
+
+
+@pytest.mark.parametrize("mode", ["ddp", "zero", "fsdp"])
+def test_the_step_program_is_named_after_its_mode(mesh8, mode):
+    """Profiles, XLA dumps and compile logs name the program: jit_jaxsync_zero_step."""
+    step = jaxsync.train_step(lambda p, b: jnp.mean((b @ p["w"]) ** 2), optax.sgd(0.1), mesh8, mode)
+    state = step.init({"w": jnp.ones((4, 2))})
+    text = step.lower(state, jnp.ones((8, 4))).as_text()
+    assert f"module @jit_jaxsync_{mode}_step" in text
