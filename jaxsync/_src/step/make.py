@@ -4,7 +4,9 @@ What ``TrainStep.init`` and ``abstract_state`` share: the optimizer wrapped for 
 mode (ZeRO's distributed optimizer, FSDP's units, DDP's replicated optax), its
 state and specs, the guard DDP and FSDP keep beside it, and the :class:`Plan` the
 step is compiled from. Traceable (no host reads), so ``abstract_state`` builds the
-same state as ``jax.ShapeDtypeStruct``s.
+same state as ``jax.ShapeDtypeStruct``s. Beside it, the placement ``init`` wraps it
+in: the params copied (the step donates its state, never the caller's arrays), and
+every state buffer distinct.
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ def make_state(
     step: Any, model: Any, params: PyTree, rest: PyTree, layout: Any = None
 ) -> tuple[TrainState, Plan]:
     """The state and its plan from replicated ``params`` (traceable: no host reads);
-    with ``layout`` (params sharded over other axes) the 2-D state of :mod:`two_d.plan`."""
+    with ``layout`` (params sharded over other axes) the 2-D state of :mod:`two_d.plan`.
+    ``step`` is the :class:`~jaxsync.TrainStep` (its mesh, optimizer and options)."""
     if layout is not None:
         state, specs, tx, dims = make_2d_state(step, params, rest, layout)
         return state, Plan(model, template_of(params), tx, None, specs, None, dims)  # type: ignore[arg-type]
