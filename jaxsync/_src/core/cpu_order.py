@@ -41,3 +41,9 @@ def put(x: Any, sharding: Any) -> Any:
     """``jax.device_put(x, sharding)``, finished before the next multi-device CPU
     program can start (see above)."""
     return settle(jax.device_put(x, sharding))
+
+
+def on_cpu(mesh: Any) -> bool:
+    """Whether ``mesh``'s devices are XLA:CPU's (compile-only GPU meshes are not),
+    for the choices a step makes per backend."""
+    return mesh.devices.flat[0].platform == "cpu"

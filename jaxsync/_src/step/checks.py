@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from ..core.names import param_name
@@ -260,3 +261,23 @@ def check_processes_first_step(cfg: Any, state: PyTree, batch: PyTree) -> None:
         ("this process's batch (paths, local shapes, dtypes)", structure(batch)),
     ]
     check_agree(items, "TrainStep.__call__")
+
+
+def check_state_dtypes(new: PyTree, old: PyTree) -> None:
+    """The optimizer state keeps its dtypes: the step is compiled for the state
+    ``init`` made, and a skipped step hands the old one back."""
+    if jax.tree.structure(new) != jax.tree.structure(old):
+        raise TypeError(
+            "jaxsync.train_step: `tx.update` returned an optimizer state of another "
+            f"structure than `tx.init` made: {jax.tree.structure(new)} against "
+            f"{jax.tree.structure(old)}. An optimizer's state must keep its structure."
+        )
+    got = jax.tree_util.tree_flatten_with_path(new)[0]
+    for (path, n), o in zip(got, jax.tree.leaves(old), strict=True):
+        if jnp.dtype(n.dtype) != jnp.dtype(o.dtype):
+            raise TypeError(
+                f"jaxsync.train_step: `tx.update` returned the optimizer state leaf "
+                f"{jax.tree_util.keystr(path)} as {jnp.dtype(n.dtype).name}, but `tx.init` "
+                f"made it {jnp.dtype(o.dtype).name}. An optimizer's state must keep its "
+                "dtypes from step to step; cast it in the transform."
+            )

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from ..core.axes import to_varying, varying_axes
+from ..core.cpu_order import on_cpu
 from ..core.validate import check_loss
 from ..optim.loss_scale import active_scale
 from ..sync.views import is_view, trace_views
@@ -108,7 +109,7 @@ def finish(
     params, opt_state, scale, metrics, finite = guarded_update(
         state, plan.tx, grads, flags, stats,
         clip_grad_norm=cfg.clip_grad_norm, loss_scale=cfg.loss_scale, unit_flags=unit_flags,
-        branch=cfg.mesh.devices.flat[0].platform == "cpu",
+        branch=on_cpu(cfg.mesh),
     )  # fmt: skip
     new = TrainState(
         state.step + finite.astype(jnp.int32), params, opt_state,

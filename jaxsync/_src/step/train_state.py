@@ -21,6 +21,7 @@ from ..core.tree_reduce import sq_sum_and_zeros
 from ..optim.loss_scale import LossScale, LossScaleState, update_loss_scale
 from ..optim.metrics import next_metrics
 from ..optim.state import StepMetrics
+from .checks import check_state_dtypes
 
 PyTree = Any
 
@@ -151,35 +152,13 @@ def guarded_update(
         return params, opt_state  # optax.apply_updates' arithmetic
 
     if branch:
-        params, opt_state = jax.lax.cond(
-            finite, lambda g, o: update(g, o), lambda g, o: o, grads, old
-        )
+        params, opt_state = jax.lax.cond(finite, update, lambda g, o: o, grads, old)
     else:
         new = update(grads, old)
         params, opt_state = jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
     scale = update_loss_scale(loss_scale, state.loss_scale, finite)
     metrics = next_metrics(state.metrics, flags_from, finite, grad_norm, zeros, unit_flags)
     return params, opt_state, scale, metrics, finite
-
-
-def check_state_dtypes(new: PyTree, old: PyTree) -> None:
-    """The optimizer state keeps its dtypes: the step is compiled for the state
-    ``init`` made, and a skipped step hands the old one back."""
-    if jax.tree.structure(new) != jax.tree.structure(old):
-        raise TypeError(
-            "jaxsync.train_step: `tx.update` returned an optimizer state of another "
-            f"structure than `tx.init` made: {jax.tree.structure(new)} against "
-            f"{jax.tree.structure(old)}. An optimizer's state must keep its structure."
-        )
-    got = jax.tree_util.tree_flatten_with_path(new)[0]
-    for (path, n), o in zip(got, jax.tree.leaves(old), strict=True):
-        if jnp.dtype(n.dtype) != jnp.dtype(o.dtype):
-            raise TypeError(
-                f"jaxsync.train_step: `tx.update` returned the optimizer state leaf "
-                f"{jax.tree_util.keystr(path)} as {jnp.dtype(n.dtype).name}, but `tx.init` "
-                f"made it {jnp.dtype(o.dtype).name}. An optimizer's state must keep its "
-                "dtypes from step to step; cast it in the transform."
-            )
 
 
 def padding_of(layouts: Sequence[Any]) -> int:

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from ...core.axes import to_varying, varying_axes
+from ...core.cpu_order import on_cpu
 from ...core.names import group_of
 from ...fsdp.grad import split_microbatches
 from ...sync.grad_sync import accumulate_grads
@@ -55,7 +56,7 @@ def spec_body(cfg: Any, plan: Any, state: TrainState, batch: Any) -> tuple[Train
         compute_dtype=None if not (fsdp and policy is not None and policy.param_dtype)
         else jnp.dtype(policy.param_dtype).name,
         fsdp=fsdp,
-        wide_sums=cfg.mesh.devices.flat[0].platform == "cpu",
+        wide_sums=on_cpu(cfg.mesh),
     )  # fmt: skip
     loss = loss_of(cfg, plan, state, batch)
     plans = layout.leaves()
