@@ -66,6 +66,11 @@ STALLED = (
 )
 # Survivors idle for longer than this are named when another process fails.
 _IDLE = 10.0
+# After a failed exit, how long the other processes get to end too before the
+# launcher says which failed first (a peer whose collective fails on the closed
+# connection can exit before the process that raised has finished shutting down).
+_SETTLE = 2.0
+_TRACEBACK = b"Traceback (most recent call last)"
 _SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
@@ -83,8 +88,12 @@ class Exit(NamedTuple):
     code: int
 
 
-def _pump(rank: int, stream: IO[bytes], out: IO[str], lock: threading.Lock) -> None:
+def _pump(
+    rank: int, stream: IO[bytes], out: IO[str], lock: threading.Lock, raised: dict[int, float]
+) -> None:
     for line in iter(stream.readline, b""):
+        if line.startswith(_TRACEBACK):
+            raised.setdefault(rank, time.monotonic())  # when it first raised
         with lock:
             out.write(f"[{rank}] {line.decode(errors='replace')}")
             out.flush()
@@ -195,6 +204,7 @@ class _Job:
         self.signalled: list[int] = []
         self.procs: list[subprocess.Popen] = []
         self.pumps: list[threading.Thread] = []
+        self.raised: dict[int, float] = {}  # rank -> when its first traceback came
         base = dict(os.environ if env is None else env)
         for rank in range(nproc):
             penv = dict(base)
@@ -228,7 +238,7 @@ class _Job:
             )
             self.procs.append(p)
             pump = threading.Thread(
-                target=_pump, args=(rank, p.stdout, out, self.lock), daemon=True
+                target=_pump, args=(rank, p.stdout, out, self.lock, self.raised), daemon=True
             )
             pump.start()
             self.pumps.append(pump)
@@ -308,6 +318,7 @@ class _Job:
             if ended is not None:
                 self.pumps[ended.rank].join(timeout=2.0)  # its last lines first
                 if ended.code != 0:
+                    ended = self._first_failure(ended)
                     code, how = ended.code, f"exited with code {ended.code}"
                     if code < 0:  # killed by a signal: the shell's convention, 128 + signal
                         code = 128 - code
@@ -363,6 +374,21 @@ class _Job:
                 where = "; ".join(f"process {r} at {w}" for r, (_, w) in sorted(stalled.items()))
                 self.say(STALLED.format(limit=stall_timeout, ranks=sorted(stalled), where=where))
                 return TIMEOUT_CODE
+
+    def _first_failure(self, ended: Exit) -> Exit:
+        """Of the processes that fail within ``_SETTLE`` s of ``ended``, the one that
+        failed first: by its first traceback where it printed one (a process that
+        raises may exit after the peer whose collective then failed), else its exit."""
+        failed, deadline = [ended], time.monotonic() + _SETTLE
+        while self.running() and time.monotonic() < deadline:
+            try:
+                other = self.exits.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            self.pumps[other.rank].join(timeout=2.0)
+            if other.code != 0:
+                failed.append(other)
+        return min(failed, key=lambda e: min(self.raised.get(e.rank, e.time), e.time))
 
     def _stop(self, grace: float) -> None:
         if not self.running():

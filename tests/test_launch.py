@@ -222,6 +222,26 @@ def test_sigterm_to_the_launcher_stops_every_process(tmp_path):
     assert not any(_alive(p) for p in pids)  # before: both kept running, orphaned
 
 
+def test_the_rank_that_raised_is_blamed_when_a_peer_exits_before_it(tmp_path):
+    # What CI saw: rank 1 raises, its connection closes, rank 0's collective fails
+    # and rank 0 exits first while rank 1 is still shutting down. The blame goes by
+    # when each failed (its traceback), not by which exit the launcher saw first.
+    body = JOINS + textwrap.dedent("""
+        import atexit, sys, time
+        if rank == 1:
+            atexit.register(time.sleep, 1.0)  # a slow shutdown after the raise
+            raise RuntimeError("rank one gives up")
+        time.sleep(0.3)  # the peer notices the closed connection
+        sys.exit(1)
+    """)
+    out, secs = run_launcher("--nproc", "2", "--grace", "1", script(tmp_path, body))
+    assert out.returncode == 1
+    assert "[1] RuntimeError: rank one gives up" in out.stdout
+    assert "process 1 failed first: it exited with code 1" in out.stderr, out.stderr
+    assert "no other process was still running" in out.stderr, out.stderr
+    assert secs < 30
+
+
 def test_a_rank_killed_by_a_signal_is_blamed_with_the_shells_code(tmp_path):
     # Before: the launcher exited with the negative returncode (-11 -> status 245).
     body = JOINS + textwrap.dedent("""
