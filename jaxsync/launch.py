@@ -31,8 +31,10 @@ import sys
 import tempfile
 import threading
 import time
-from typing import IO, NamedTuple
+from typing import IO
 
+from jaxsync._src.multihost import children
+from jaxsync._src.multihost.children import Exit
 from jaxsync._src.multihost.distributed import (
     ENV_COORDINATOR,
     ENV_LAUNCH_DIR,
@@ -70,7 +72,6 @@ _IDLE = 10.0
 # launcher says which failed first (a peer whose collective fails on the closed
 # connection can exit before the process that raised has finished shutting down).
 _SETTLE = 2.0
-_TRACEBACK = b"Traceback (most recent call last)"
 _SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
@@ -78,31 +79,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-class Exit(NamedTuple):
-    """A process that ended: when (launcher's clock), which rank, its exit code."""
-
-    time: float
-    rank: int
-    code: int
-
-
-def _pump(
-    rank: int, stream: IO[bytes], out: IO[str], lock: threading.Lock, raised: dict[int, float]
-) -> None:
-    for line in iter(stream.readline, b""):
-        if line.startswith(_TRACEBACK):
-            raised.setdefault(rank, time.monotonic())  # when it first raised
-        with lock:
-            out.write(f"[{rank}] {line.decode(errors='replace')}")
-            out.flush()
-
-
-def _wait(rank: int, proc: subprocess.Popen, exits: queue.Queue) -> None:
-    # One waiter per process, so exits are seen in the order they happen.
-    code = proc.wait()
-    exits.put(Exit(time.monotonic(), rank, code))
 
 
 def _check_args(
@@ -238,11 +214,13 @@ class _Job:
             )
             self.procs.append(p)
             pump = threading.Thread(
-                target=_pump, args=(rank, p.stdout, out, self.lock, self.raised), daemon=True
+                target=children.pump,
+                args=(rank, p.stdout, out, self.lock, self.raised),
+                daemon=True,
             )
             pump.start()
             self.pumps.append(pump)
-            threading.Thread(target=_wait, args=(rank, p, self.exits), daemon=True).start()
+            threading.Thread(target=children.wait, args=(rank, p, self.exits), daemon=True).start()
 
     def say(self, message: str) -> None:
         with self.lock:
@@ -322,7 +300,9 @@ class _Job:
                     code, how = ended.code, f"exited with code {ended.code}"
                     if code < 0:  # killed by a signal: the shell's convention, 128 + signal
                         code = 128 - code
-                        how = f"was killed by {_signal_name(-ended.code)} (exit code {code})"
+                        how = (
+                            f"was killed by {children.signal_name(-ended.code)} (exit code {code})"
+                        )
                     running = self.running()
                     note = "" if self.joined(ended.rank) else " (before jaxsync.initialize())"
                     # A process stuck elsewhere makes the others fail (a collective
@@ -406,13 +386,6 @@ class _Job:
             p.wait()
         for pump in self.pumps:
             pump.join(timeout=2.0)
-
-
-def _signal_name(num: int) -> str:
-    try:
-        return signal.Signals(num).name
-    except ValueError:
-        return f"signal {num}"
 
 
 def main(args: list[str] | None = None) -> int:
