@@ -18,10 +18,19 @@ import os
 # several DP sizes) run in a process of their own with XLA's defaults
 # (``@pytest.mark.default_xla``): the elemental emitters round those 1 ulp apart
 # (1.5e-8), the defaults do not. An XLA_FLAGS a user sets comes after ours and wins.
-_FAST_COMPILE = (
-    "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true "
-    "--xla_cpu_use_fusion_emitters=false"
-)
+_FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+
+
+def _jaxlib_before(major: int, minor: int) -> bool:
+    from importlib.metadata import version
+
+    return tuple(int(v) for v in version("jaxlib").split(".")[:2]) < (major, minor)
+
+
+# XLA of jaxlib 0.11 dropped the elemental-emitter switch (an unknown flag aborts
+# every process at its first jax call), so it is set only where XLA still reads it.
+if _jaxlib_before(0, 11):
+    _FAST_COMPILE += " --xla_cpu_use_fusion_emitters=false"
 #: Set in the process a ``default_xla`` test runs in.
 _DEFAULT_XLA = "JAXSYNC_TESTS_DEFAULT_XLA"
 # The user's own XLA_FLAGS, as the first pytest process found them: xdist's workers and

@@ -306,7 +306,8 @@ def test_steps_that_gain_nothing_from_a_pipelined_reduce_scatter_do_not_pay_for_
     """2-D steps are compiled without XLA's pipelined reduce-scatter: it holds one
     more layer in flight for no modeled time (xla_options). Asking for it at compile
     time still works, and costs temporaries."""
-    from jaxsync._src.step.xla_options import PIPELINED_REDUCE_SCATTER, step_compiler_options
+    from jaxsync._src.core.xla_names import pipelined
+    from jaxsync._src.step.xla_options import step_compiler_options
 
     mesh = jaxsync.gpu_topology("h100", axes=axes)
     step = jaxsync.train_step(_stack_loss, optax.adamw(1e-3), mesh, mode=mode, stacked="blocks")
@@ -321,36 +322,49 @@ def test_steps_that_gain_nothing_from_a_pipelined_reduce_scatter_do_not_pay_for_
     state = step.abstract_state(params)
     lowered = step.lower(state, jax.ShapeDtypeStruct((8 * 1024, D), jnp.float32))
     ours = jaxsync.schedule_report(lowered)
-    asked = jaxsync.schedule_report(lowered, options={PIPELINED_REDUCE_SCATTER: True})
+    asked = jaxsync.schedule_report(lowered, options=pipelined("reduce_scatter", True))
     assert ours.memory["temps"] < asked.memory["temps"], (ours.memory, asked.memory)
-    assert step_compiler_options(mode, two_d=axes is not None)[PIPELINED_REDUCE_SCATTER] is False
+    off = pipelined("reduce_scatter", False)
+    assert off.items() <= step_compiler_options(mode, two_d=axes is not None).items()
 
 
 def test_xla_flags_keep_the_users_pipelining_choice(monkeypatch):
-    from jaxsync._src.step.xla_options import (
-        DOUBLE_BUFFERING,
-        PIPELINED_ALL_GATHER,
-        PIPELINED_ALL_REDUCE,
-        PIPELINED_REDUCE_SCATTER,
-        step_compiler_options,
-    )
+    from jaxsync._src.core.xla_names import pipelined
+    from jaxsync._src.step.xla_options import DOUBLE_BUFFERING, step_compiler_options
 
+    monkeypatch.setenv("XLA_FLAGS", "")
     # 1-D steps keep the pipelined reduce-scatter, and their loops are double-buffered;
     # ZeRO and FSDP also pipeline the forward's per-layer all-gathers
-    assert step_compiler_options("zero", two_d=False) == {
-        DOUBLE_BUFFERING: True, PIPELINED_ALL_GATHER: True,
-    }  # fmt: skip
-    assert step_compiler_options("fsdp", two_d=False) == {
-        DOUBLE_BUFFERING: True, PIPELINED_ALL_GATHER: True,
-    }  # fmt: skip
-    assert step_compiler_options("ddp", two_d=False) == {
-        DOUBLE_BUFFERING: True, PIPELINED_ALL_REDUCE: True,
-    }  # fmt: skip
-    assert step_compiler_options("ddp", two_d=True) == {PIPELINED_REDUCE_SCATTER: False}
-    monkeypatch.setenv("XLA_FLAGS", f"--{PIPELINED_ALL_GATHER}=false --{DOUBLE_BUFFERING}=false")
+    gather, reduce = pipelined("all_gather", True), pipelined("all_reduce", True)
+    assert step_compiler_options("zero", two_d=False) == {DOUBLE_BUFFERING: True, **gather}
+    assert step_compiler_options("fsdp", two_d=False) == {DOUBLE_BUFFERING: True, **gather}
+    assert step_compiler_options("ddp", two_d=False) == {DOUBLE_BUFFERING: True, **reduce}
+    assert step_compiler_options("ddp", two_d=True) == pipelined("reduce_scatter", False)
+    # XLA_FLAGS takes the old boolean spelling on every jaxlib: it counts as a choice
+    monkeypatch.setenv(
+        "XLA_FLAGS",
+        f"--xla_gpu_enable_pipelined_all_gather=false --{DOUBLE_BUFFERING}=false",
+    )
     assert step_compiler_options("fsdp", two_d=False) == {}
-    monkeypatch.setenv("XLA_FLAGS", f"--{PIPELINED_REDUCE_SCATTER}=true")
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_pipelined_reduce_scatter")
     assert step_compiler_options("zero", two_d=True) == {}
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_pipelined_reduce_scatter_x=true")
+    assert step_compiler_options("zero", two_d=True) == pipelined("reduce_scatter", False)
+
+
+def test_every_compile_option_jaxsync_sets_is_one_this_xla_knows(monkeypatch):
+    """XLA renames options between releases (jaxlib 0.11.1 turned the pipelining
+    booleans into enums), and a compile option it does not know fails the compile
+    on every platform: each option the steps and GPU_PERFORMANCE_OPTIONS set must
+    compile here."""
+    from jaxsync._src.step.xla_options import step_compiler_options
+
+    monkeypatch.setenv("XLA_FLAGS", "")
+    options = dict(jaxsync.GPU_PERFORMANCE_OPTIONS)
+    for mode in ("zero", "ddp", "fsdp"):
+        options |= step_compiler_options(mode, two_d=False) | step_compiler_options(mode, True)
+    x = jax.device_put(jnp.ones(2), jax.devices("cpu")[0])
+    jax.jit(lambda v: v + 1).lower(x).compile(compiler_options=options)
 
 
 @needs_plugin

@@ -35,6 +35,7 @@ from typing import Any
 
 import jax
 
+from ..core.xla_names import pipelined
 from .read import read_schedule, skipped_computations
 from .target import GPUS, GpuSpec
 from .timings import ScheduleReport
@@ -53,10 +54,11 @@ SCHEDULE_OPTIONS: Mapping[str, Any] = {
 }
 # The collective flags of JAX's GPU performance guide: pipeline the loop-carried
 # collectives across iterations and combine small ones (thresholds in bytes).
+# (The pipelining options spelled for the installed XLA: core.xla_names.)
 GPU_PERFORMANCE_OPTIONS: Mapping[str, Any] = {
-    "xla_gpu_enable_pipelined_all_gather": True,
-    "xla_gpu_enable_pipelined_reduce_scatter": True,
-    "xla_gpu_enable_pipelined_all_reduce": True,
+    **pipelined("all_gather", True),
+    **pipelined("reduce_scatter", True),
+    **pipelined("all_reduce", True),
     "xla_gpu_enable_while_loop_double_buffering": True,
     "xla_gpu_enable_highest_priority_async_stream": True,
     "xla_gpu_all_gather_combine_threshold_bytes": 134217728,

@@ -22,12 +22,10 @@ wins.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
-PIPELINED_REDUCE_SCATTER = "xla_gpu_enable_pipelined_reduce_scatter"
-PIPELINED_ALL_GATHER = "xla_gpu_enable_pipelined_all_gather"
-PIPELINED_ALL_REDUCE = "xla_gpu_enable_pipelined_all_reduce"
+from ..core.xla_names import pipelined, set_by_user
+
 #: XLA unrolls a loop twice so that a collective it pipelines across iterations
 #: starts and completes inside one unrolled body. For 1-D steps (1.1B and 7.2B
 #: Llama-style models, bench_gpu, XLA defaults otherwise, statistics / timeline):
@@ -54,14 +52,13 @@ def step_compiler_options(mode: str, two_d: bool) -> dict[str, Any]:
       (``reshard_after_forward=True``): 165.77 / 158.45 ms -> 165.27 / 152.36 with
       the pipelined all-gather (the forward's gathers overlap the previous layer).
     """
-    user = os.environ.get("XLA_FLAGS", "")
     wanted: dict[str, Any] = {}
     if two_d:
-        wanted[PIPELINED_REDUCE_SCATTER] = False
+        wanted |= pipelined("reduce_scatter", False)
     else:
         wanted[DOUBLE_BUFFERING] = True
         if mode in ("fsdp", "zero"):
-            wanted[PIPELINED_ALL_GATHER] = True
+            wanted |= pipelined("all_gather", True)
         if mode == "ddp":
-            wanted[PIPELINED_ALL_REDUCE] = True
-    return {k: v for k, v in wanted.items() if k not in user}
+            wanted |= pipelined("all_reduce", True)
+    return {k: v for k, v in wanted.items() if not set_by_user(k)}
