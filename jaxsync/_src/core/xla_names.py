@@ -34,7 +34,7 @@ def pipelined(collective: str, on: bool) -> dict[str, Any]:
     """The compile option that turns XLA's pipelining of ``collective`` on or off,
     spelled for the installed XLA: ``{name: value}``."""
     if collective not in COLLECTIVES:
-        raise ValueError(f"pipelined: `collective` must be one of {COLLECTIVES}, got {collective!r}")
+        raise ValueError(f"pipelined: `collective` must be one of {COLLECTIVES}: {collective!r}")
     if _enum_pipelining():
         mode = "ON" if on else "OFF"
         return {f"xla_gpu_pipeline_{collective}": f"COLLECTIVE_PIPELINING_MODE_{mode}"}
