@@ -24,9 +24,9 @@ the step's temporaries, and whatever building the state needed) against XLA's
 ``arguments + temporaries`` of the executable (``model MiB``).
 
 One GPU checks the compute side of the model only: a 1-device program has no
-collectives, so no communication is priced or measured. So far this script has
-run here on CPU devices only (no GPU was lent to its author): the measured
-columns work there, the modeled ones need a GPU.
+collectives, so no communication is priced or measured. It ran on one H100 on
+2026-11-26 (docs/gpu.md, "Checked on one real H100"); on CPU devices the measured
+columns work, the modeled ones need a GPU.
 """
 
 from __future__ import annotations
