@@ -34,7 +34,6 @@ import time
 from typing import IO
 
 from jaxsync._src.multihost import children
-from jaxsync._src.multihost.children import Exit
 from jaxsync._src.multihost.distributed import (
     ENV_COORDINATOR,
     ENV_LAUNCH_DIR,
@@ -176,7 +175,7 @@ class _Job:
     ):
         self.nproc, self.launch_dir, self.out, self.err = nproc, launch_dir, out, err
         self.lock = threading.Lock()
-        self.exits: queue.Queue[Exit] = queue.Queue()
+        self.exits: queue.Queue[children.Exit] = queue.Queue()
         self.signalled: list[int] = []
         self.procs: list[subprocess.Popen] = []
         self.pumps: list[threading.Thread] = []
@@ -355,7 +354,7 @@ class _Job:
                 self.say(STALLED.format(limit=stall_timeout, ranks=sorted(stalled), where=where))
                 return TIMEOUT_CODE
 
-    def _first_failure(self, ended: Exit) -> Exit:
+    def _first_failure(self, ended: children.Exit) -> children.Exit:
         """Of the processes that fail within ``_SETTLE`` s of ``ended``, the one that
         failed first: by its first traceback where it printed one (a process that
         raises may exit after the peer whose collective then failed), else its exit."""

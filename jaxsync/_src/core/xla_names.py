@@ -12,22 +12,15 @@ from __future__ import annotations
 
 import os
 import re
-from functools import cache
-from importlib.metadata import version
 from typing import Any
+
+from jaxlib.version import __version_info__ as _JAXLIB
 
 #: The collectives XLA can pipeline across loop iterations.
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
-
-
-@cache
-def _enum_pipelining() -> bool:
-    """Whether this jaxlib names pipelining by enum (0.11.1 on; 0.11.0 still by bool)."""
-    parts = []
-    for part in version("jaxlib").split(".")[:3]:
-        digits = "".join(c for c in part if c.isdigit())
-        parts.append(int(digits or 0))
-    return tuple(parts) >= (0, 11, 1)
+#: jaxlib 0.11.1 on names pipelining by enum; 0.11.0 still by bool.
+_ENUM_PIPELINING = tuple(_JAXLIB[:3]) >= (0, 11, 1)
+_PIPELINING = re.compile(r"xla_gpu_(?:pipeline|enable_pipelined)_(\w+)")
 
 
 def pipelined(collective: str, on: bool) -> dict[str, Any]:
@@ -35,7 +28,7 @@ def pipelined(collective: str, on: bool) -> dict[str, Any]:
     spelled for the installed XLA: ``{name: value}``."""
     if collective not in COLLECTIVES:
         raise ValueError(f"pipelined: `collective` must be one of {COLLECTIVES}: {collective!r}")
-    if _enum_pipelining():
+    if _ENUM_PIPELINING:
         mode = "ON" if on else "OFF"
         return {f"xla_gpu_pipeline_{collective}": f"COLLECTIVE_PIPELINING_MODE_{mode}"}
     return {f"xla_gpu_enable_pipelined_{collective}": on}
@@ -45,9 +38,7 @@ def set_by_user(option: str) -> bool:
     """Whether ``XLA_FLAGS`` already decides ``option`` (a compile option's name; a
     pipelining option under either of its spellings): the user's choice wins."""
     spellings = [option]
-    for collective in COLLECTIVES:
-        pair = [f"xla_gpu_pipeline_{collective}", f"xla_gpu_enable_pipelined_{collective}"]
-        if option in pair:
-            spellings = pair
+    if (m := _PIPELINING.fullmatch(option)) and m.group(1) in COLLECTIVES:
+        spellings = [f"xla_gpu_pipeline_{m.group(1)}", f"xla_gpu_enable_pipelined_{m.group(1)}"]
     user = os.environ.get("XLA_FLAGS", "")
     return any(re.search(rf"--{s}(=|\s|$)", user) for s in spellings)
