@@ -7,10 +7,12 @@ Each (model, method) runs in a fresh process with no compilation cache, as a new
 run starts: ``init`` is the state built from the params (jaxsync: the layout, the
 elementwise probe, the consistency checks and the init program; GSPMD: ``tx.init``
 placed with ``NamedSharding``), ``first`` the first step including its compile,
-``next`` the second step; each cell is the median of ``--repeats`` fresh processes
-(3: one compile on a shared 2-core machine varies by up to 1.5x). Models: the
-example trainer's GPT (``configs/tiny.yaml``, scanned blocks, NNX) and a small
-flax linen MLP. GSPMD is ZeRO-1 written by hand:
+``next`` the median of the next 10 steps (each to its loss, host batch in); each
+row is the median of ``--repeats`` fresh processes (3: one compile on a shared
+2-core machine varies by up to 1.5x). Models: the example trainer's GPT
+(``configs/tiny.yaml``, scanned blocks, NNX), a small flax linen MLP (3 x 256: a
+floor, where fixed costs are all there is), and the nanodo-style linen decoder of
+``examples/linen_port`` (the trainer issue #30 ported). GSPMD is ZeRO-1 written by hand:
 ``jax.jit`` with the params replicated and AdamW's moments sharded over ``data``.
 One run, one table: quote ratios from the same run.
 """
@@ -32,7 +34,8 @@ import time  # noqa: E402
 from functools import partial  # noqa: E402
 
 METHODS = ("gspmd", "zero", "ddp", "fsdp")
-MODELS = ("gpt", "linen")
+MODELS = ("gpt", "linen", "decoder")
+NEXT_STEPS = 10  # the "next step" column: the median of these
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -53,6 +56,22 @@ def build(model: str):
         module = gpt.GPT(cfg, nnx.Rngs(0))
         batch = rng.integers(0, 256, size=(32, cfg.seq_len + 1)).astype(np.int32)
         return module, gpt.loss_fn, batch, "blocks"
+
+    if model == "decoder":
+        sys.path.insert(0, os.path.join(ROOT, "examples", "linen_port"))
+        import optax
+        from model import Config, Decoder, batches
+
+        cfg = Config()
+        net = Decoder(cfg)
+        boxed = net.init(jax.random.PRNGKey(0), jnp.ones((1, cfg.seq_len), jnp.int32))
+        params = nn.unbox(boxed)["params"]
+
+        def loss_fn(p, b):
+            logits = net.apply({"params": p}, b[:, :-1])
+            return optax.softmax_cross_entropy_with_integer_labels(logits, b[:, 1:]).mean()
+
+        return params, loss_fn, next(batches(cfg, 64)), None
 
     class MLP(nn.Module):
         @nn.compact
@@ -131,25 +150,31 @@ def measure(model: str, method: str) -> dict:
     t1 = time.perf_counter()
     if method == "gspmd":
         init, make_step = gspmd(params, loss_fn, mesh, tx)
-        p, s, shard = init()
-        jax.block_until_ready((p, s))
+        carry = init()
+        jax.block_until_ready(carry[:2])
         t2 = time.perf_counter()
-        step = make_step(shard)
-        p, s, loss = step(p, s, batch)
-        jax.block_until_ready(loss)
-        t3 = time.perf_counter()
-        p, s, loss = step(p, s, batch)
+        step = make_step(carry[2])
+
+        def one(carry):
+            p, s, loss = step(carry[0], carry[1], batch)
+            return (p, s, carry[2]), loss
     else:
         step = jaxsync.train_step(loss_fn, tx, mesh, method, stacked=stacked)
-        state = step.init(params)
-        jax.block_until_ready(state)
+        carry = step.init(params)
+        jax.block_until_ready(carry)
         t2 = time.perf_counter()
-        state, loss = step(state, batch)
-        jax.block_until_ready(loss)
-        t3 = time.perf_counter()
-        state, loss = step(state, batch)
+        one = partial(step, batch=batch)
+    carry, loss = one(carry)
     jax.block_until_ready(loss)
-    t4 = time.perf_counter()
+    t3 = time.perf_counter()
+    # Later steps: each timed to its loss, host batch in, as a training loop runs.
+    times = []
+    for _ in range(NEXT_STEPS):
+        t = time.perf_counter()
+        carry, loss = one(carry)
+        jax.block_until_ready(loss)
+        times.append(time.perf_counter() - t)
+    t4 = t3 + sorted(times)[len(times) // 2]
     return {"build": t1 - t0, "init": t2 - t1, "first": t3 - t2, "next": t4 - t3}
 
 

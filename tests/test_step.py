@@ -376,3 +376,26 @@ def test_the_step_program_is_named_after_its_mode(mesh8, mode):
     state = step.init({"w": jnp.ones((4, 2))})
     text = step.lower(state, jnp.ones((8, 4))).as_text()
     assert f"module @jit_jaxsync_{mode}_step" in text
+
+
+def test_a_placed_batch_is_not_put_again(mesh8, monkeypatch):
+    """A leaf placed over the data axes already (by `place`, or a loader) is used as
+    it is: no `device_put` on every step (about 0.5 ms of Python per leaf on 8 CPU
+    devices); one on another spec is placed anew. Steps on either equal the step on
+    the host batch."""
+    step = jaxsync.train_step(lambda p, b: jnp.mean((b @ p["w"]) ** 2), optax.sgd(0.1), mesh8)
+    host = np.arange(32, dtype=np.float32).reshape(8, 4)
+    placed = step.place(host)
+    by_user = jax.device_put(host, NamedSharding(mesh8, P("data")))
+    replicated = jax.device_put(host, NamedSharding(mesh8, P()))
+    puts = []
+    real_put = jax.device_put
+    monkeypatch.setattr(jax, "device_put", lambda *a, **k: puts.append(1) or real_put(*a, **k))
+    assert step.place(placed) is placed and step.place(by_user) is by_user and not puts
+    other = step.place(replicated)
+    assert puts and other.sharding.is_equivalent_to(placed.sharding, 2)
+    monkeypatch.undo()
+    want = step.params(step(step.init({"w": jnp.ones((4, 2))}), host)[0])
+    for batch in (placed, by_user, other):
+        got = step.params(step(step.init({"w": jnp.ones((4, 2))}), batch)[0])
+        jax.tree.map(np.testing.assert_array_equal, got, want)

@@ -59,6 +59,8 @@ def shard_batch(
                 f"axis {batch_axis}{over} must divide evenly over axis {axes} of size {n}. "
                 f"Use a global batch size that is a multiple of {n}."
             )
+        if isinstance(x, jax.Array) and x.sharding == sharding:
+            return x  # placed already (by `TrainStep.place`, or a loader): no put
         if nproc == 1:
             return jax.device_put(x, sharding)
         return jax.make_array_from_process_local_data(sharding, np.asarray(x))

@@ -14,6 +14,7 @@ their leading dimension allows, so orbax writes them from every host in parallel
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -225,22 +226,30 @@ def global_shape(shape: tuple[int, ...], spec: P, sizes: dict[str, int]) -> tupl
 
 
 def signature(tree: PyTree) -> tuple[Any, ...]:
-    """Hashable structure, shapes, dtypes and PartitionSpecs of ``tree``'s leaves."""
+    """Hashable structure, shapes, dtypes and PartitionSpecs of ``tree``'s leaves.
+
+    A step computes it on every call (its plan is looked up by it), so each
+    sharding's spec is read once (:func:`_spec_key`), not per leaf and call.
+    """
     leaves, treedef = jax.tree.flatten(tree)
+    return (
+        treedef,
+        tuple(
+            (tuple(x.shape), x.dtype, _spec_key(getattr(x, "sharding", None), len(x.shape)))
+            for x in leaves
+        ),
+    )
 
-    def spec(x: Any) -> tuple[tuple[str, ...], ...]:
-        # As param_specs_of reads it (no NamedSharding means P()), normalised per
-        # dimension, so P() and P(None, None) are the same; an axis of size 1
-        # splits nothing (XLA returns P() for P("data") on a 1-GPU mesh).
-        sharding = getattr(x, "sharding", None)
-        if not isinstance(sharding, NamedSharding):
-            return tuple(_entries(P(), len(x.shape)))
-        sizes = sharding.mesh.shape
-        return tuple(
-            tuple(a for a in axes if sizes[a] > 1) for axes in _entries(sharding.spec, len(x.shape))
-        )
 
-    return (treedef, tuple((tuple(x.shape), str(x.dtype), spec(x)) for x in leaves))
+@functools.lru_cache(maxsize=4096)
+def _spec_key(sharding: Any, ndim: int) -> tuple[tuple[str, ...], ...]:
+    # As param_specs_of reads it (no NamedSharding means P()), normalised per
+    # dimension, so P() and P(None, None) are the same; an axis of size 1
+    # splits nothing (XLA returns P() for P("data") on a 1-GPU mesh).
+    if not isinstance(sharding, NamedSharding):
+        return tuple(_entries(P(), ndim))
+    sizes = sharding.mesh.shape
+    return tuple(tuple(a for a in axes if sizes[a] > 1) for axes in _entries(sharding.spec, ndim))
 
 
 # Conversion programs by caller-given key, so a run that saves every N steps

@@ -45,6 +45,9 @@ STATE_DELETED = (
 
 def check_state_alive(state: PyTree, fn: str) -> None:
     """Refuses a state whose buffers were donated (JAX 0.10 may crash on them)."""
+    # Every call checks: the leaves alone, their paths only to name a deleted one.
+    if not any(isinstance(x, jax.Array) and x.is_deleted() for x in jax.tree.leaves(state)):
+        return
     for path, x in jax.tree_util.tree_flatten_with_path(state)[0]:
         if isinstance(x, jax.Array) and x.is_deleted():
             raise ValueError(STATE_DELETED.format(fn=fn, leaf=f"state{jax.tree_util.keystr(path)}"))
