@@ -7,13 +7,15 @@ Each (model, method) runs in a fresh process with no compilation cache, as a new
 run starts: ``init`` is the state built from the params (jaxsync: the layout, the
 elementwise probe, the consistency checks and the init program; GSPMD: ``tx.init``
 placed with ``NamedSharding``), ``first`` the first step including its compile,
-``next`` the median of the next 10 steps (each to its loss, host batch in); each
-row is the median of ``--repeats`` fresh processes (3: one compile on a shared
-2-core machine varies by up to 1.5x). Models: the example trainer's GPT
-(``configs/tiny.yaml``, scanned blocks, NNX), a small flax linen MLP (3 x 256: a
-floor, where fixed costs are all there is), and the nanodo-style linen decoder of
-``examples/linen_port`` (the trainer issue #30 ported). GSPMD is ZeRO-1 written by hand:
-``jax.jit`` with the params replicated and AdamW's moments sharded over ``data``.
+``next`` the median of the next 10 steps (each to its loss, host batch in). Each
+cell is the median of ``--repeats`` fresh processes (3: one compile on a shared
+2-core machine varies by up to 1.5x), run in rounds of every method in turn;
+``vs gspmd`` is the median of each round's ratio to its own GSPMD run. Models:
+the example trainer's GPT (``configs/tiny.yaml``, scanned blocks, NNX), a small
+flax linen MLP (3 x 256: a floor, where fixed costs are all there is), and the
+nanodo-style linen decoder of ``examples/linen_port`` (the trainer issue #30
+ported). GSPMD is ZeRO-1 written by hand: ``jax.jit`` with the params replicated
+and AdamW's moments sharded over ``data``.
 One run, one table: quote ratios from the same run.
 """
 
@@ -32,6 +34,7 @@ import subprocess  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 from functools import partial  # noqa: E402
+from statistics import median  # noqa: E402
 
 METHODS = ("gspmd", "zero", "ddp", "fsdp")
 MODELS = ("gpt", "linen", "decoder")
@@ -225,25 +228,33 @@ def main() -> None:
     print("| model | method | init s | first step s | init + first | vs gspmd | next step ms |")
     print("|---|---|---:|---:|---:|---:|---:|")
     for model in args.models:
-        base = None
+        # Rounds of every method in turn, so that a slow spell of a shared machine
+        # lands on all of them; "vs gspmd" is the median of each round's ratio to
+        # that round's GSPMD (paired), the other columns the medians.
+        rounds = []
+        for _ in range(max(1, args.repeats)):
+            rounds.append({method: one_process(model, method) for method in METHODS})
         for method in METHODS:
-            runs = []
-            for _ in range(max(1, args.repeats)):
-                out = subprocess.run(
-                    [sys.executable, __file__, "--one", model, method],
-                    capture_output=True, text=True, check=True, cwd=ROOT,
-                )  # fmt: skip
-                runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
-            # The run of median init + first, whole (its columns add up).
-            runs.sort(key=lambda r: r["init"] + r["first"])
-            r = runs[len(runs) // 2]
-            both = r["init"] + r["first"]
-            base = both if method == "gspmd" else base
+            col = {k: median([r[method][k] for r in rounds]) for k in ("init", "first", "next")}
+            ratio = median([both(r[method]) / both(r["gspmd"]) for r in rounds])
             print(
-                f"| {model} | {method} | {r['init']:.2f} | {r['first']:.2f} | {both:.2f} | "
-                f"{both / base:.2f}x | {1000 * r['next']:.1f} |",
+                f"| {model} | {method} | {col['init']:.2f} | {col['first']:.2f} | "
+                f"{median([both(r[method]) for r in rounds]):.2f} | {ratio:.2f}x | "
+                f"{1000 * col['next']:.1f} |",
                 flush=True,
             )
+
+
+def one_process(model: str, method: str) -> dict:
+    out = subprocess.run(
+        [sys.executable, __file__, "--one", model, method],
+        capture_output=True, text=True, check=True, cwd=ROOT,
+    )  # fmt: skip
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def both(run: dict) -> float:
+    return run["init"] + run["first"]
 
 
 if __name__ == "__main__":
