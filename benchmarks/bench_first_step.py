@@ -177,8 +177,7 @@ def measure(model: str, method: str) -> dict:
         carry, loss = one(carry)
         jax.block_until_ready(loss)
         times.append(time.perf_counter() - t)
-    t4 = t3 + sorted(times)[len(times) // 2]
-    return {"build": t1 - t0, "init": t2 - t1, "first": t3 - t2, "next": t4 - t3}
+    return {"build": t1 - t0, "init": t2 - t1, "first": t3 - t2, "next": median(times)}
 
 
 def profile(model: str) -> None:
