@@ -84,7 +84,9 @@ def test_old_keywords_show_the_new_spelling(mesh8):
         jaxsync.train_step(mlp_loss, tx, mesh8, jaxsync.FSDP(), bucket_size=8)
     with pytest.raises(TypeError, match=r"unexpected keyword argument\(s\) \['bucket'\]"):
         jaxsync.train_step(mlp_loss, tx, mesh8, bucket=8)
-    # The old defaults meant "not given": still accepted beside any mode.
-    step = jaxsync.train_step(mlp_loss, tx, mesh8, mode="fsdp", reduce_dtype=jnp.float32)
-    assert step.mode == jaxsync.FSDP()
+    # A keyword of another mode is refused at its default value too (#44): it was
+    # dropped without a word.
+    with pytest.raises(ValueError, match=r"`reduce_dtype` is an option of jaxsync.DDP or "
+                       r"jaxsync.ZeRO, not of mode='fsdp'"):  # fmt: skip
+        jaxsync.train_step(mlp_loss, tx, mesh8, mode="fsdp", reduce_dtype=jnp.float32)
     assert jaxsync.train_step(mlp_loss, tx, mesh8).mode == jaxsync.ZeRO()

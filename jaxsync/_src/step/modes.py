@@ -197,14 +197,13 @@ def mode_of(mode: Any, options: dict[str, Any], fn: str = "jaxsync.train_step") 
             f"the shorthand 'ddp', 'zero' or 'fsdp'), got {mode!r}."
         )
     cls = MODES[mode]
-    mine = {}
-    for key, value in options.items():
-        owners = MODE_OPTIONS[key]
-        if cls in owners:
-            mine[key] = value
-        elif not _is_default(owners[0], key, value):  # the old defaults meant "not given"
-            raise ValueError(_foreign(key, value, f"mode={mode!r}"))
-    return cls(**mine)
+    # ``options`` holds only the keywords the caller wrote (``**mode_options``), so
+    # one of another mode is refused at any value, its default too: dropping it
+    # would train without what the caller asked for.
+    foreign = [key for key in options if cls not in MODE_OPTIONS[key]]
+    if foreign:
+        raise ValueError(_foreign(foreign[0], options[foreign[0]], f"mode={mode!r}"))
+    return cls(**options)
 
 
 def _foreign(key: str, value: Any, mode: str) -> str:
@@ -214,13 +213,6 @@ def _foreign(key: str, value: Any, mode: str) -> str:
         f"`{key}` is an option of {names}, not of {mode}. Drop `{key}`, or train with "
         f"{_spelling(owners[-1], {key: value})}."
     )
-
-
-def _is_default(cls: type, key: str, value: Any) -> bool:
-    default = {f.name: f.default for f in dataclasses.fields(cls)}[key]
-    if key == "reduce_dtype":
-        return value is None or jnp.dtype(value) == jnp.dtype(default)
-    return value is default or (key == "deterministic" and value is False)
 
 
 def deterministic_of(mode: Mode) -> Deterministic | None:
