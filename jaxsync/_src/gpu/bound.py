@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from typing import Any
@@ -24,6 +25,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from ..optim.elementwise import check_elementwise
 from .schedule import schedule_report
 from .target import GPUS, gpu_topology
 from .timings import ScheduleReport
@@ -110,6 +112,7 @@ def communication_bound(
     Returns:
       A :class:`CommunicationBound`.
     """
+    _check_args(params, optimizer, mesh, axis_name)
     n = mesh.shape[axis_name]
     kind = {s.name: key for key, s in GPUS.items()}.get(mesh.devices.flat[0].device_kind)
     if kind is None:
@@ -142,6 +145,62 @@ def communication_bound(
     opt = schedule_report(jax.jit(update).lower(vec, state, vec), options=options)
     comm, moved = _comm(mesh, axis_name, moves, shard * n, options)
     return CommunicationBound(grads.step_us + opt.step_us, comm.step_us, moved, n)
+
+
+NOT_ELEMENTWISE_BOUND = (
+    "communication_bound: `optimizer` is not elementwise ({detail}). The bound prices "
+    "each GPU's update of its 1/N of the parameters as one flat fp32 vector, which only "
+    "an elementwise optimizer (sgd, momentum, adam, adamw, lion, rmsprop, ...) updates as "
+    "it would the parameter tree: a factored or whole-matrix one (adafactor, lamb, lars, "
+    "muon, `optax.clip_by_global_norm`) would be priced for other work than it does. Pass "
+    "the elementwise part of your optimizer (e.g. `optax.adamw(lr)` for "
+    "`optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(lr))`)."
+)
+
+
+def _check_args(params: Any, optimizer: Any, mesh: Any, axis_name: Any) -> None:
+    """The arguments' checks, before anything is compiled."""
+    if not isinstance(mesh, Mesh):
+        raise TypeError(
+            f"`mesh` must be a jax.sharding.Mesh from jaxsync.gpu_topology(...), got {mesh!r}."
+        )
+    if not isinstance(axis_name, str) or axis_name not in mesh.shape:
+        raise ValueError(
+            f"`axis_name` must name the data axis of `mesh`, one of its axes "
+            f"{dict(mesh.shape)}; got {axis_name!r}. Pass the axis the batch is split "
+            "over (e.g. `axis_name='data'`), or build the mesh with that axis: "
+            f"jaxsync.gpu_topology(..., axes={{{axis_name!r}: ...}})."
+        )
+    if not (
+        callable(getattr(optimizer, "init", None)) and callable(getattr(optimizer, "update", None))
+    ):
+        raise TypeError(
+            "`optimizer` must be an optax.GradientTransformation (the update each GPU "
+            "applies to its 1/N of the fp32 master, e.g. `optax.adamw(1e-4)`), got "
+            f"{optimizer!r}."
+        )
+    try:
+        check_elementwise(optimizer, params, "`optimizer` of jaxsync.communication_bound")
+    except ValueError as e:
+        if e.__cause__ is not None and str(e).startswith("could not probe"):
+            raise ValueError(
+                "communication_bound: `optimizer` raised on a tree shaped like `params` "
+                f"({e.__cause__!r}); pass the optax optimizer the step runs on these params."
+            ) from e
+        raise ValueError(NOT_ELEMENTWISE_BOUND.format(detail=_probe_detail(str(e)))) from e
+
+
+def _probe_detail(message: str) -> str:
+    """What the elementwise probe saw, out of its message (written for train_step)."""
+    for pattern in (
+        r"first seen for param .*?elements differ",
+        r"\d+ update elements on shards, \d+ on the tree",
+        r"on a flat shard it raised .*?(?=\)\. |\)$)",
+    ):
+        m = re.search(pattern, message, re.S)
+        if m:
+            return m.group(0)
+    return "the probe's message is chained below"
 
 
 def _comm(mesh: Mesh, axis: str, moves, padded: int, options) -> tuple[ScheduleReport, int]:

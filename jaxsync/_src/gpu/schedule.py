@@ -35,6 +35,7 @@ from typing import Any
 
 import jax
 
+from ..core.validate import check_bool
 from ..core.xla_names import pipelined
 from .read import read_schedule, skipped_computations
 from .target import GPUS, GpuSpec
@@ -121,7 +122,8 @@ def compile_scheduled(
             "schedule_report needs a `jax.stages.Lowered` (jax.jit(f).lower(...) or "
             f"TrainStep.lower(...)), got {type(lowered).__name__}."
         )
-    opts = {**SCHEDULE_OPTIONS, **(options or {})}
+    options, dump_dir = _check_args(options, gpu, dump_dir, twin)
+    opts = {**SCHEDULE_OPTIONS, **options}
     with tempfile.TemporaryDirectory() as tmp:
         where = dump_dir or tmp
         compiled = _compile(lowered, {**opts, "xla_dump_to": where})
@@ -144,6 +146,48 @@ def compile_scheduled(
         spec = _gpu(gpu, where)
     report = read_schedule(text, compiled.memory_analysis(), spec, twin_text)
     return compiled, dataclasses.replace(report, hlo_text=compiled.as_text())
+
+
+def _check_args(
+    options: Any, gpu: Any, dump_dir: Any, twin: Any
+) -> tuple[dict[str, Any], str | None]:
+    """The arguments' checks, before anything is compiled: ``(options, dump_dir)``."""
+    check_bool(twin, "twin")
+    if options is None:
+        options = {}
+    if not isinstance(options, Mapping):
+        raise TypeError(
+            "schedule_report: `options` must be a mapping of XLA option names to values, "
+            "e.g. `options=jaxsync.GPU_PERFORMANCE_OPTIONS` or "
+            f"`{{'xla_gpu_enable_latency_hiding_scheduler': True}}`; got "
+            f"{type(options).__name__} {options!r}."
+        )
+    bad = [k for k in options if not isinstance(k, str)]
+    if bad:
+        raise TypeError(
+            f"schedule_report: `options` keys must be XLA option names (str), got {bad[0]!r}."
+        )
+    if gpu is not None and not isinstance(gpu, GpuSpec | str):
+        raise TypeError(f"`gpu` must be one of {sorted(GPUS)} or a GpuSpec, got {gpu!r}.")
+    if isinstance(gpu, str) and gpu not in GPUS:
+        raise ValueError(f"`gpu` must be one of {sorted(GPUS)} or a GpuSpec, got {gpu!r}.")
+    if dump_dir is None:
+        return dict(options), None
+    if not isinstance(dump_dir, str | os.PathLike):
+        raise TypeError(f"`dump_dir` must be a directory path (str), got {dump_dir!r}.")
+    dump_dir = os.fspath(dump_dir)
+    try:
+        os.makedirs(dump_dir, exist_ok=True)
+        # XLA writes its dump there and fails without a word when it cannot.
+        with tempfile.TemporaryFile(dir=dump_dir):
+            pass
+    except OSError as e:
+        raise ValueError(
+            f"schedule_report: `dump_dir` {dump_dir!r} cannot be written "
+            f"({type(e).__name__}: {e.strerror or e}); XLA writes its schedule dump there. "
+            "Pass a directory you can write to, or leave `dump_dir` out (a temporary one)."
+        ) from None
+    return dict(options), dump_dir
 
 
 def _schedule_text(where: str) -> str | None:

@@ -24,6 +24,7 @@ import functools
 import importlib.util
 import math
 from collections.abc import Mapping
+from typing import Any
 
 import jax
 import numpy as np
@@ -204,7 +205,7 @@ def gpu_topology(
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"`{arg}` must be a positive int, got {value!r}.")
     total = hosts * gpus_per_host
-    axes = dict(axes) if axes is not None else {"data": total}
+    axes = _check_axes(axes) if axes is not None else {"data": total}
     if not axes or math.prod(axes.values()) != total:
         raise ValueError(
             f"`axes` {axes} must multiply to the device count {total} "
@@ -212,6 +213,27 @@ def gpu_topology(
         )
     devices = _devices(spec, hosts, gpus_per_host)
     return Mesh(np.asarray(devices).reshape(tuple(axes.values())), tuple(axes))
+
+
+def _check_axes(axes: Any) -> dict[str, int]:
+    """``axes`` as a dict, each name a non-empty str and each size a positive int."""
+    example = "e.g. {'data': 8} or {'data': 2, 'model': 4}"
+    if not isinstance(axes, Mapping):
+        raise TypeError(
+            f"`axes` must be a mapping of mesh axis names to sizes, {example}; "
+            f"got {type(axes).__name__} {axes!r}."
+        )
+    for name, size in axes.items():
+        if not isinstance(name, str) or not name:
+            raise ValueError(
+                f"`axes` names must be non-empty strings (they become the mesh's axis names "
+                f"that `axis_name=` refers to), got {name!r} in {axes!r}; {example}."
+            )
+        if isinstance(size, bool) or not isinstance(size, int | np.integer) or size < 1:
+            raise ValueError(
+                f"`axes[{name!r}]` must be a positive int (the axis size), got {size!r}; {example}."
+            )
+    return {name: int(size) for name, size in axes.items()}
 
 
 @functools.cache
