@@ -29,6 +29,9 @@ from jaxsync._src.gpu.hlo import lowered_collective_counts as lowered_collective
 from jaxsync._src.gpu.overlap import CollectiveSite as CollectiveSite
 from jaxsync._src.gpu.overlap import OverlapReport as OverlapReport
 from jaxsync._src.gpu.overlap import overlap_report as overlap_report
+from jaxsync._src.gpu.peak import MemoryReport as MemoryReport
+from jaxsync._src.gpu.peak import PeakBuffer as PeakBuffer
+from jaxsync._src.gpu.peak import memory_report as memory_report
 from jaxsync._src.gpu.schedule import GPU_PERFORMANCE_OPTIONS as GPU_PERFORMANCE_OPTIONS
 from jaxsync._src.gpu.schedule import SCHEDULE_OPTIONS as SCHEDULE_OPTIONS
 from jaxsync._src.gpu.schedule import schedule_report as schedule_report
@@ -111,6 +114,9 @@ __all__ = [
     "gpu_topology",
     "communication_bound",
     "schedule_report",
+    "MemoryReport",
+    "PeakBuffer",
+    "memory_report",
     "OwnedMatrix",
     "OwnershipReport",
     "PartialSaveWarning",

@@ -1,0 +1,55 @@
+"""memory_report: the buffers live at a program's peak, read from XLA's own dumps."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxsync
+from helpers import mlp_loss, mlp_params, state_bytes_on_device
+
+
+def test_names_the_largest_temporary_by_shape_size_and_operation():
+    # x @ x.T is [512, 512] f32 (1 MiB); its sine must be materialized for the
+    # second matmul: the one large temporary of this program.
+    x = jnp.ones((512, 256), jnp.float32)
+    lowered = jax.jit(lambda x: jnp.sum(jnp.sin(x @ x.T) @ x)).lower(x)
+    report = jaxsync.memory_report(lowered)
+    stats = lowered.compile().memory_analysis()
+    assert report.arguments == stats.argument_size_in_bytes == x.nbytes
+    assert report.temps == stats.temp_size_in_bytes
+    top = report.buffers[0]
+    assert (top.bytes, top.shape, top.argument) == (512 * 512 * 4, "f32[512,512]", False)
+    assert top.made_by.endswith("sin")
+    (arg,) = [b for b in report.buffers if b.argument]
+    assert (arg.bytes, arg.shape, arg.made_by) == (x.nbytes, "f32[512,256]", "x")
+    assert report.peak == sum(b.bytes for b in report.buffers)
+    assert report.peak >= top.bytes + arg.bytes
+    assert "f32[512,512]" in report.table(1) and "2 more" in report.table(1)
+    assert sum(report.by_origin().values()) == report.peak
+
+
+def test_a_zero_step_s_master_shards_are_named_by_their_state_path(mesh8):
+    params = mlp_params(jax.random.PRNGKey(0), sizes=(64, 96, 5))
+    step = jaxsync.train_step(mlp_loss, optax.adam(1e-3), mesh8, jaxsync.ZeRO())
+    state = step.init(params)
+    batch = (jnp.ones((16, 64)), jnp.ones((16, 5)))
+    report = jaxsync.memory_report(step.lower(state, batch))
+    masters = [b for b in report.buffers if b.made_by.startswith("state.opt_state.master")]
+    assert masters and all(b.argument for b in masters)
+    # Each is one device's shard of the master buffer: the ZeRO figure, read from
+    # the arrays themselves.
+    dev = mesh8.devices.flat[0]
+    assert sum(b.bytes for b in masters) == state_bytes_on_device(state.opt_state.master, dev)
+    assert report.arguments == step.lower(state, batch).compile().memory_analysis().argument_size_in_bytes
+
+
+def test_bad_arguments_are_named():
+    with pytest.raises(TypeError, match="jax.stages.Lowered"):
+        jaxsync.memory_report(lambda x: x)
+    lowered = jax.jit(lambda x: x + 1).lower(np.ones(3, np.float32))
+    with pytest.raises(TypeError, match="`options` must be a mapping"):
+        jaxsync.memory_report(lowered, options=["xla_foo"])
