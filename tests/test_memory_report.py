@@ -7,9 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import mlp_loss, mlp_params, state_bytes_on_device
 
 import jaxsync
-from helpers import mlp_loss, mlp_params, state_bytes_on_device
 
 
 def test_names_the_largest_temporary_by_shape_size_and_operation():
@@ -44,7 +44,8 @@ def test_a_zero_step_s_master_shards_are_named_by_their_state_path(mesh8):
     # the arrays themselves.
     dev = mesh8.devices.flat[0]
     assert sum(b.bytes for b in masters) == state_bytes_on_device(state.opt_state.master, dev)
-    assert report.arguments == step.lower(state, batch).compile().memory_analysis().argument_size_in_bytes
+    stats = step.lower(state, batch).compile().memory_analysis()
+    assert report.arguments == stats.argument_size_in_bytes
 
 
 def test_bad_arguments_are_named():

@@ -29,7 +29,9 @@ from typing import Any, NamedTuple
 _PEAK = re.compile(r"^\s+Live ranges at (\d+) \(peak\):\n((?:\s+\S+: \d+ bytes.*\n)+)", re.M)
 _LIVE = re.compile(r"^\s+(\S+?)(\{[\d,]*\}): (\d+) bytes", re.M)
 _STEP = re.compile(r"^\s+(\d+):(\S+)$", re.M)
-_VALUE = re.compile(r"^\s*value: <\d+ (\S+?)(\{[\d,]*\})? @\d+> \(size=\d+,offset=\d+\): (\S+)", re.M)
+_VALUE = re.compile(
+    r"^\s*value: <\d+ (\S+?)(\{[\d,]*\})? @\d+> \(size=\d+,offset=\d+\): (\S+)", re.M
+)
 _INSTR = re.compile(r"^\s*(?:ROOT )?%(\S+) = (.*)$", re.M)
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 
