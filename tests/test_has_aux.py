@@ -57,7 +57,8 @@ def test_a_tuple_loss_without_has_aux_is_named(mesh8):
 
 
 def test_aux_on_a_two_d_mesh_with_microbatches():
-    """The 2-D body and the microbatch loop carry the aux too: the last microbatch's."""
+    """The 2-D body and the microbatch loop carry the aux too, over every microbatch
+    (issue 41: it was the last microbatch's only, 8 rows for 16)."""
     from conftest import require_devices
     from helpers import place_by_specs
     from jax.sharding import AxisType
@@ -80,6 +81,6 @@ def test_aux_on_a_two_d_mesh_with_microbatches():
     b = aux_step.init(place_by_specs(mesh, params, specs))
     a, loss_a = plain(a, batch())
     b, (loss_b, rows) = aux_step(b, batch())
-    assert int(rows) == 8  # 16 rows / 4 data ranks / 2 microbatches, summed over 4 ranks
+    assert int(rows) == 16  # every row of the global batch, as on one device
     np.testing.assert_array_equal(loss_a, loss_b)
     jax.tree.map(np.testing.assert_array_equal, plain.params(a), aux_step.params(b))

@@ -35,15 +35,20 @@ def value_and_grad(
     microbatches: int,
     sync_grad_accum: bool,
     has_aux: bool,
+    all_aux: bool = False,
 ) -> tuple[Any, dict[str, jax.Array]]:
-    """:meth:`FullyShard.value_and_grad`."""
+    """:meth:`FullyShard.value_and_grad`; ``all_aux``: the aux of every microbatch,
+    stacked ``[microbatches, ...]`` (``train_step`` combines them), not the last's."""
     check_microbatches(microbatches, batch)
 
     # A views scope: an NNX loss merges fs.view(shards) with jaxsync.merge_module.
     scoped = call_with_views(loss_fn, tuple(fs._layers), "FSDP's sharded layers")
     loss_fn = _checked_loss(scoped, has_aux, fs.axes, keep=not fs.reshard_after_forward)
     if microbatches == 1:
-        return jax.value_and_grad(loss_fn, has_aux=has_aux)(shards, batch)
+        out, grads = jax.value_and_grad(loss_fn, has_aux=has_aux)(shards, batch)
+        if all_aux and has_aux:
+            out = (out[0], jax.tree.map(lambda a: jnp.asarray(a)[None], out[1]))
+        return out, grads
     mbs = split_microbatches(microbatches, batch)
     if sync_grad_accum:
         target, grad_fn = shards, jax.value_and_grad(loss_fn, has_aux=has_aux)
@@ -61,10 +66,13 @@ def value_and_grad(
     acc, losses = jax.lax.scan(body, acc, jax.tree.map(lambda m: m[1:], mbs))
     grads = jax.tree.map(lambda a: a / microbatches, acc)
     if has_aux:
-        (loss0, _), (losses, aux) = loss0, losses
+        (loss0, aux0), (losses, aux) = loss0, losses
     loss = (loss0 + jnp.sum(losses)) / microbatches
     if not sync_grad_accum:
         grads = fs.reduce_gathered(grads)
+    if has_aux and all_aux:
+        stack = lambda a0, a: jnp.concatenate([jnp.asarray(a0)[None], a])  # noqa: E731
+        return (loss, jax.tree.map(stack, aux0, aux)), grads
     if has_aux:
         return (loss, jax.tree.map(lambda a: a[-1], aux)), grads
     return loss, grads

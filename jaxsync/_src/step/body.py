@@ -16,12 +16,14 @@ import jax.numpy as jnp
 
 from ..deterministic.exact import nonfinite_flags
 from ..fsdp.grad import split_microbatches
+from ..fsdp.grad import value_and_grad as fsdp_value_and_grad
 from ..fsdp.held import FsdpShards, plain
-from ..sync.grad_sync import accumulate_grads, all_reduce_grads, value_and_grad
+from ..sync.grad_sync import all_reduce_grads, value_and_grad
+from ..sync.reduction import BUCKETED
 from ..sync.scan_sync import DataParallel, sync_value_and_grad
 from .held import gather_held, held_buffers, master_rows, stand_ins, strip
 from .modes import deterministic_of
-from .parts import Plan, finish, loss_of, outputs, scale_of, settle, unscale
+from .parts import Plan, finish, loss_of, one_piece, outputs, scale_of, settle, unscale
 from .train_state import TrainState, global_stats, padding_of
 from .two_d.body import spec_body
 
@@ -35,6 +37,8 @@ def per_device(cfg: Any, plan: Plan, state: TrainState, batch: Any) -> tuple[Tra
 
 
 def grads_of(cfg: Any, plan: Plan, state: TrainState, batch: Any, sync: Any) -> tuple[Any, Any]:
+    """``((mean loss, rest), grads)``; ``rest`` the :class:`LossAux` of every piece,
+    stacked (deterministic units come stacked already)."""
     loss = loss_of(cfg, plan, state, batch)
     det = deterministic_of(cfg.mode)
     rules = None if sync is not None else getattr(cfg.mode, "rules", None)
@@ -43,10 +47,11 @@ def grads_of(cfg: Any, plan: Plan, state: TrainState, batch: Any, sync: Any) -> 
             loss, axis_name=cfg.axis_name, rules=rules, sync=sync, has_aux=True,
             deterministic=det,
         )  # fmt: skip
-        return vg(state.params, batch)
+        (out, rest), grads = vg(state.params, batch)
+        return (out, rest if det is not None else one_piece(rest)), grads
     mbs = split_microbatches(cfg.microbatches, batch)
-    return accumulate_grads(
-        loss, state.params, mbs, axis_name=cfg.axis_name, rules=rules, sync=sync, has_aux=True
+    return BUCKETED.accumulate(
+        loss, state.params, mbs, cfg.axis_name, True, jnp.float32, rules, sync, all_aux=True
     )
 
 
@@ -64,9 +69,9 @@ def zero_body(cfg: Any, plan: Plan, state: TrainState, batch: Any) -> tuple[Trai
         step=state.step + finite.astype(jnp.int32),
         params=new_params,
         opt_state=opt_state,
-        model_state=settle(rest.model_state, state.model_state, finite),
+        model_state=settle(cfg, plan, rest, state, finite),
     )
-    return new, outputs(cfg, loss, rest, state)
+    return new, outputs(cfg, loss, rest, state, batch)
 
 
 def held_grads(cfg: Any, plan: Plan, state: TrainState, batch: Any) -> tuple[Any, ...]:
@@ -84,11 +89,11 @@ def held_grads(cfg: Any, plan: Plan, state: TrainState, batch: Any) -> tuple[Any
     if cfg.microbatches == 1:
         rows = master_rows(layout, master, plan.held)
         loss = loss_of(cfg, plan, state, batch)
-        out, grads = sync_value_and_grad(
+        (out, rest), grads = sync_value_and_grad(
             loss, tx, params, (batch,), has_aux=True, held=rows,
             reshard=cfg.mode.reshard_after_forward, fn="jaxsync.train_step",
         )  # fmt: skip
-        return out, grads, params, held
+        return (out, one_piece(rest)), grads, params, held
     params = gather_held(layout, master, cfg.axis_name, params, plan.held)
     out, grads = grads_of(cfg, plan, state._replace(params=params), batch, tx)
     return out, grads, params, held
@@ -117,7 +122,7 @@ def ddp_body(cfg: Any, plan: Plan, state: TrainState, batch: Any) -> tuple[Train
     # Deterministic: per-device flags would depend on the DP size; flag units, as ZeRO.
     units = nonfinite_flags(local) if mode.deterministic is not None else None
     flags = grads if units is not None else local
-    return finish(cfg, plan, state, grads, flags, stats, loss, rest, units)
+    return finish(cfg, plan, state, grads, flags, stats, loss, rest, batch, units)
 
 
 def fsdp_body(cfg: Any, plan: Plan, state: TrainState, batch: Any) -> tuple[TrainState, Any]:
@@ -126,14 +131,11 @@ def fsdp_body(cfg: Any, plan: Plan, state: TrainState, batch: Any) -> tuple[Trai
     # and hand state.params back as the FsdpShards it came in.
     state = state._replace(params=plain(state.params))
     loss = loss_of(cfg, plan, state, batch)
-    (loss, rest), grads = fs.value_and_grad(
-        lambda shards, b: loss(fs.view(shards), b),
-        state.params,
-        batch,
-        microbatches=cfg.microbatches,
-        has_aux=True,
-    )
+    (loss, rest), grads = fsdp_value_and_grad(
+        fs, lambda shards, b: loss(fs.view(shards), b), state.params, batch,
+        microbatches=cfg.microbatches, sync_grad_accum=True, has_aux=True, all_aux=True,
+    )  # fmt: skip
     grads = unscale(grads, scale_of(cfg, state))
     stats = global_stats(grads, fs.axes, padding_of([fs.layout(u) for u in fs.units]))
-    new, out = finish(cfg, plan, state, grads, grads, stats, loss, rest)
+    new, out = finish(cfg, plan, state, grads, grads, stats, loss, rest, batch)
     return new._replace(params=FsdpShards(new.params, fs.units)), out

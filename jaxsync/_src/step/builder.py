@@ -21,6 +21,7 @@ from ..core.validate import check_bool, check_positive
 from ..layout.placement import normalize_stacked
 from ..optim.loss_scale import LossScale, check_loss_scale
 from .checks import labeled_tx
+from .meaning import AUX_RULES, STATE_RULES, check_rules
 from .modes import Mode, deterministic_of, mode_of
 from .step import TrainStep
 from .weighted import WeightedLoss
@@ -40,6 +41,8 @@ def train_step(
     donate: bool = True,
     labels: Any = None,
     has_aux: bool = False,
+    aux_reduce: Mapping[str, str] | None = None,
+    state_reduce: Mapping[str, str] | None = None,
     **mode_options: Any,
 ) -> TrainStep:
     """Builds a jitted data-parallel training step: DDP, ZeRO or FSDP.
@@ -86,9 +89,19 @@ def train_step(
         without ``adamw(mask=...)``, which ZeRO and FSDP cannot run on flat shards
         (each label's params get flat buffers, FSDP: pieces of each unit, of their own).
       has_aux: ``loss_fn`` returns ``(loss, aux)``, as for ``jax.value_and_grad``; the
-        step then returns ``(state, (loss, aux))``, ``aux``'s floats averaged over the
-        data-parallel devices and its integers summed (with microbatches, the last
-        microbatch's aux).
+        step then returns ``(state, (loss, aux))`` with ``aux`` as the same loss returns
+        it on one device on the global batch, over devices and microbatches: a leaf
+        whose leading axis is the rows comes back as the global rows in order; floats
+        are means (token-weighted for a :func:`jaxsync.weighted_loss`), integers sums,
+        bools ``any``. Strings and keys are refused.
+      aux_reduce: ``{dotted aux name or prefix: rule}`` declaring a leaf's rule, one of
+        ``"mean"``, ``"sum"``, ``"max"``, ``"min"``, ``"any"``, ``"all"``, ``"rows"``
+        (e.g. ``{"max_logit": "max"}``).
+      state_reduce: ``{dotted model-state name or prefix: rule}`` for an NNX module's
+        state besides its params, one of ``"mean"``, ``"sum"`` (a counter: the old
+        value plus every piece's change), ``"max"``, ``"min"``, ``"any"``, ``"all"``.
+        Undeclared, ``nnx.BatchStat`` is a mean, ``nnx.RngCount`` the maximum, integer
+        state a counter; a float state that differs between devices is refused.
       **mode_options: the keywords this function took before modes were values
         (``bucket_size``, ``reduce_dtype``, ``rules``, ``deterministic``, ``units``,
         ``policy``, ``reshard_after_forward``), still accepted beside a string
@@ -117,6 +130,10 @@ def train_step(
     check_loss_scale(loss_scale)
     check_bool(donate, "donate")
     check_bool(has_aux, "has_aux")
+    aux_rules = check_rules(aux_reduce, "aux_reduce", AUX_RULES)
+    state_rules = check_rules(state_reduce, "state_reduce", STATE_RULES)
+    if aux_rules and not has_aux:
+        raise ValueError("`aux_reduce` declares aux rules; pass `has_aux=True` too.")
     det = deterministic_of(mode)
     if det is not None and isinstance(loss_fn, WeightedLoss):
         raise ValueError(
@@ -147,6 +164,8 @@ def train_step(
         donate=donate,
         labels=labels if mode.name in ("zero", "fsdp") else None,
         has_aux=has_aux,
+        aux_reduce=aux_rules,
+        state_reduce=state_rules,
     )
 
 

@@ -14,15 +14,16 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from ..core.axes import to_varying, varying_axes
+from ..core.axes import varying_axes
 from ..core.cpu_order import on_cpu
 from ..core.validate import check_loss
 from ..optim.loss_scale import active_scale
 from ..sync.views import is_view, trace_views
+from .meaning import check_aux, piece_rows, reduce_aux, reduce_state, stack_one, state_rules
 from .models.nnx_bridge import ModelDef
 from .modes import deterministic_of
 from .train_state import GuardState, TrainState, guarded_update
-from .weighted import weight_factor
+from .weighted import piece_weight, weight_factor
 
 PyTree = Any
 
@@ -42,12 +43,15 @@ class Plan:
 
 
 class LossAux(NamedTuple):
-    """What the loss returns beside its value: the model state after the call, and
-    the user's aux (``has_aux=True``; None otherwise). Every gradient path carries
-    it as one aux, the last microbatch's."""
+    """What the loss returns beside its value: the model state after the call, the
+    user's aux (``has_aux=True``; None otherwise) and the piece's token weight (a
+    :func:`jaxsync.weighted_loss`; None otherwise). The gradient paths stack it over
+    the step's pieces (microbatches; deterministic units): :mod:`meaning` combines
+    the pieces into the one-device values."""
 
     model_state: Any
     user: Any
+    weight: Any = None
 
 
 def loss_of(
@@ -78,6 +82,7 @@ def loss_of(
                     f"{type(out).__name__}."
                 )
             out, user = out
+            user = check_aux(user)
         if not hasattr(out, "shape") or out.shape != ():
             raise ValueError(
                 f"`loss_fn` must return a scalar loss (the mean over this device's rows), "
@@ -90,7 +95,7 @@ def loss_of(
             out = out * factor.astype(out.dtype)
         if scale is not None:
             out = out * scale.astype(out.dtype)
-        return out, LossAux(rest, user)
+        return out, LossAux(rest, user, piece_weight(cfg.loss_fn, batch))
 
     return loss
 
@@ -104,8 +109,11 @@ def finish(
     stats: Any,
     loss: Any,
     rest: Any,
+    batch: Any,
     unit_flags: Any = None,
 ) -> tuple[TrainState, Any]:
+    """The optimizer step, the state kept and the step's outputs. ``rest``: the
+    :class:`LossAux` of every piece, stacked; ``batch``: this device's rows."""
     params, opt_state, scale, metrics, finite = guarded_update(
         state, plan.tx, grads, flags, stats,
         clip_grad_norm=cfg.clip_grad_norm, loss_scale=cfg.loss_scale, unit_flags=unit_flags,
@@ -113,28 +121,27 @@ def finish(
     )  # fmt: skip
     new = TrainState(
         state.step + finite.astype(jnp.int32), params, opt_state,
-        settle(rest.model_state, state.model_state, finite), GuardState(scale, metrics),
+        settle(cfg, plan, rest, state, finite), GuardState(scale, metrics),
     )  # fmt: skip
-    return new, outputs(cfg, loss, rest, state)
+    return new, outputs(cfg, loss, rest, state, batch)
 
 
-def outputs(cfg: Any, loss: jax.Array, rest: LossAux, state: TrainState) -> Any:
+def outputs(cfg: Any, loss: jax.Array, rest: LossAux, state: TrainState, batch: Any) -> Any:
     """The step's second output: the mean loss, and with ``has_aux`` the user's aux
-    (floats averaged over the data devices, integers summed: counts add up)."""
+    with its one-device meaning over all pieces (:func:`meaning.reduce_aux`)."""
     mean = mean_loss(cfg, loss, state)
     if not cfg.has_aux:
         return mean
+    leaves = jax.tree.leaves(rest.user)
+    if not leaves:
+        return mean, rest.user
+    rows = piece_rows(batch, leaves[0].shape[0])
+    return mean, reduce_aux(rest.user, rest.weight, rows, cfg.axis_name, cfg.aux_reduce)
 
-    axes = cfg.axis_name
 
-    def reduce(x: Any) -> Any:
-        # Each device's own value (a constant too: every device counts its own rows).
-        x = to_varying(jnp.asarray(x), axes)
-        if jnp.issubdtype(x.dtype, jnp.integer) or x.dtype == jnp.bool_:
-            return jax.lax.psum(x.astype(jnp.int32), axes)
-        return jax.lax.pmean(x, axes)
-
-    return mean, jax.tree.map(reduce, rest.user)
+def one_piece(rest: LossAux) -> LossAux:
+    """One piece's :class:`LossAux` as a stack of one (a step without microbatches)."""
+    return stack_one(rest)
 
 
 def model_state_of(model: Any) -> Any:
@@ -144,31 +151,13 @@ def model_state_of(model: Any) -> Any:
     return nnx.to_pure_dict(nnx.split(model, nnx.Param, ...)[2])
 
 
-def settle(new: Any, old: Any, finite: jax.Array) -> Any:
-    """The model state after a step, the same on every device.
-
-    Floats that differ between devices (statistics of each device's rows) are
-    averaged, integers (counters) take their maximum; on a skipped step float
-    state stays as it was, so NaNs never reach it.
-    """
-
-    def one(x: Any, before: Any) -> Any:
-        axes = tuple(sorted(varying_axes(x)))
-        floating = jnp.issubdtype(x.dtype, jnp.floating)
-        if axes and floating:
-            x = jax.lax.pmean(x, axes)
-        elif axes and jnp.issubdtype(x.dtype, jnp.integer):
-            x = jax.lax.pmax(x, axes)
-        elif axes:
-            raise ValueError(
-                f"the model's state leaf of dtype {x.dtype} differs between devices after "
-                f"the step (it varies over {axes}); only float (averaged) and integer "
-                "(maximum) model state can be kept replicated. Keep it in the params, or "
-                "use the explicit shard_map path."
-            )
-        return jnp.where(finite, x, before) if floating else x
-
-    return jax.tree.map(one, new, old)
+def settle(cfg: Any, plan: Plan, rest: LossAux, state: TrainState, finite: jax.Array) -> Any:
+    """The model state after a step, the same on every device: each piece's new state
+    combined by its rule (:func:`meaning.reduce_state`)."""
+    rules = state_rules(plan.model, cfg.state_reduce)
+    return reduce_state(
+        rest.model_state, state.model_state, finite, cfg.axis_name, rules, plan.model
+    )
 
 
 def mean_loss(cfg: Any, loss: jax.Array, state: TrainState) -> jax.Array:

@@ -81,6 +81,8 @@ class TrainStep:
     donate: bool
     labels: Any
     has_aux: bool = False
+    aux_reduce: dict[str, str] = dataclasses.field(default_factory=dict)
+    state_reduce: dict[str, str] = dataclasses.field(default_factory=dict)
     _plans: dict[Any, Plan] = dataclasses.field(default_factory=dict, repr=False)
     _stepped: list[bool] = dataclasses.field(default_factory=list, repr=False)
 

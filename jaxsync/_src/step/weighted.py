@@ -79,3 +79,11 @@ def weight_factor(loss_fn: Any, batch: Any, axes: tuple[str, ...], k: int) -> ja
     n = jax.lax.psum(1, axes)
     # An all-padding global batch: every sum is 0, and so is the gradient.
     return n * k / jnp.where(total > 0, total, 1.0)
+
+
+def piece_weight(loss_fn: Any, piece: Any) -> jax.Array | None:
+    """The token weight of one piece (microbatch) of this device's rows, for the
+    token-weighted mean of float aux (None for a plain loss)."""
+    if not isinstance(loss_fn, WeightedLoss):
+        return None
+    return jnp.asarray(jax.lax.stop_gradient(loss_fn.weight_fn(piece)), jnp.float32)

@@ -57,11 +57,15 @@ class Bucketed:
     def accumulate(
         self, fun: Callable[..., Any], params: PyTree, microbatches: PyTree,
         axes: tuple[str, ...], has_aux: bool, accum_dtype: Any, rules: SyncRules | None,
-        sync: Any,
+        sync: Any, all_aux: bool = False,
     ) -> tuple[Any, PyTree]:  # fmt: skip
+        """``all_aux``: the aux of every microbatch, stacked (``train_step`` combines
+        them into the step's one-device aux); otherwise the last one's."""
         n = jax.tree.leaves(microbatches)[0].shape[0]
         if sync is not None:
-            return self._accumulate_synced(fun, params, microbatches, n, axes, has_aux, sync)
+            return self._accumulate_synced(
+                fun, params, microbatches, n, axes, has_aux, sync, all_aux
+            )
         vg = self.value_and_grad(fun, axes, 0, has_aux, rules, None)
 
         def body(acc: PyTree, mb: PyTree) -> tuple[PyTree, Any]:
@@ -79,12 +83,12 @@ class Bucketed:
         grads = jax.tree.map(lambda g: g / n, total)
         if has_aux:
             losses, aux = outs
-            return (jnp.mean(losses), jax.tree.map(lambda a: a[-1], aux)), grads
+            return (jnp.mean(losses), aux if all_aux else jax.tree.map(lambda a: a[-1], aux)), grads
         return jnp.mean(outs), grads
 
     def _accumulate_synced(
         self, fun: Callable[..., Any], params: PyTree, microbatches: PyTree, n: int,
-        axes: tuple[str, ...], has_aux: bool, sync: Any,
+        axes: tuple[str, ...], has_aux: bool, sync: Any, all_aux: bool = False,
     ) -> tuple[Any, Any]:  # fmt: skip
         """Megatron's sync in the last microbatch: the first k-1 run without
         communication; each layer's sum is added before its reduction in the last."""
@@ -93,7 +97,7 @@ class Bucketed:
         if n > 1:
             head = jax.tree.map(lambda m: m[:-1], microbatches)
             out0, acc = self.accumulate(
-                fun, params, head, axes, has_aux, jnp.float32, sync_rules(sync), None
+                fun, params, head, axes, has_aux, jnp.float32, sync_rules(sync), None, all_aux
             )
             acc = jax.tree.map(lambda g: g * (n - 1), acc)  # the sum, not the mean
         out, grads = sync_value_and_grad(
@@ -101,9 +105,14 @@ class Bucketed:
             fn="jaxsync.accumulate_grads",
         )  # fmt: skip
         if n == 1:
+            if all_aux and has_aux:
+                out = (out[0], jax.tree.map(lambda a: jnp.asarray(a)[None], out[1]))
             return out, grads
         if has_aux:
-            (loss0, _), (loss, aux) = out0, out
+            (loss0, aux0), (loss, aux) = out0, out
+            if all_aux:  # the first n - 1, then the last
+                last = jax.tree.map(lambda b: jnp.asarray(b)[None], aux)
+                aux = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), aux0, last)
             return ((loss0 * (n - 1) + loss) / n, aux), grads
         return (out0 * (n - 1) + out) / n, grads
 

@@ -25,9 +25,9 @@ from ...core.axes import to_varying, varying_axes
 from ...core.cpu_order import on_cpu
 from ...core.names import group_of
 from ...fsdp.grad import split_microbatches
-from ...sync.grad_sync import accumulate_grads
+from ...sync.reduction import BUCKETED
 from ...sync.tap_rules import check_taps
-from ..parts import finish, loss_of, scale_of, unscale
+from ..parts import finish, loss_of, one_piece, scale_of, unscale
 from ..train_state import TrainState, global_stats
 from .dims import DimPlan, DimSync, gather, reduce
 from .plan import SpecLayout, SpecZeroState
@@ -102,12 +102,14 @@ def spec_body(cfg: Any, plan: Any, state: TrainState, batch: Any) -> tuple[Train
     def f(diff: dict, acc: list | None, b: Any) -> Any:
         return loss(view(diff, acc), b)
 
-    mbs, last, acc, head = None, batch, None, None
+    mbs, last, acc, head, heads = None, batch, None, None, None
     if k > 1:
         mbs = split_microbatches(k, batch)
         last = jax.tree.map(lambda m: m[-1], mbs)
     if once:
-        acc, head = _local_sum(loss, treedef, varying, jax.tree.map(lambda m: m[:-1], mbs), data)
+        acc, head, heads = _local_sum(
+            loss, treedef, varying, jax.tree.map(lambda m: m[:-1], mbs), data
+        )
 
     # Traced once, the taps checked on that jaxpr, then differentiated from it
     # (as sync_value_and_grad does on a 1-D mesh).
@@ -123,8 +125,10 @@ def spec_body(cfg: Any, plan: Any, state: TrainState, batch: Any) -> tuple[Train
     grad_fn = jax.value_and_grad(traced, has_aux=True)
     if k == 1 or once:
         (out, rest), g = grad_fn(diff, acc, last)
-        if once:
+        rest = one_piece(rest)
+        if once:  # the first k - 1 microbatches' pieces, then the last's
             out = (head * (k - 1) + out) / k
+            rest = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), heads, rest)
     else:  # FSDP: each microbatch reduces its own gradients
 
         def one(total: Any, mb: Any) -> Any:
@@ -133,8 +137,7 @@ def spec_body(cfg: Any, plan: Any, state: TrainState, batch: Any) -> tuple[Train
 
         zero = jax.tree.map(lambda x: _zeros_like_grad(x, _grad_dtype(x)), diff)
         g, (outs, rests) = jax.lax.scan(one, zero, mbs)
-        out = jnp.mean(outs)
-        rest = jax.tree.map(lambda x: x[-1], rests)
+        out, rest = jnp.mean(outs), rests
     grads: list[Any] = [None] * len(plans)
     if fsdp:
         grads = [
@@ -156,9 +159,9 @@ def spec_body(cfg: Any, plan: Any, state: TrainState, batch: Any) -> tuple[Train
     grads = unscale(jax.tree.unflatten(treedef, grads), scale_of(cfg, state))
     stats = _stats(jax.tree.leaves(grads), plans, data, scatter)
     if mode != "zero":
-        return finish(cfg, plan, state, grads, grads, stats, out, rest)
+        return finish(cfg, plan, state, grads, grads, stats, out, rest, batch)
     inner_state = state._replace(params=state.opt_state.master, opt_state=state.opt_state.inner)
-    new, mean = finish(cfg, plan, inner_state, grads, grads, stats, out, rest)
+    new, mean = finish(cfg, plan, inner_state, grads, grads, stats, out, rest, batch)
     # Cast, then gather: a bf16 model's params travel in bf16, not as fp32 masters.
     params = layout.map(
         lambda p, m, old: gather(m.astype(old.dtype), p, data), new.params, state.params
@@ -168,17 +171,18 @@ def spec_body(cfg: Any, plan: Any, state: TrainState, batch: Any) -> tuple[Train
 
 def _local_sum(
     loss: Any, treedef: Any, params: list, mbs: Any, axes: tuple[str, ...]
-) -> tuple[list, Any]:
-    """Each param's local gradient summed over ``mbs`` in fp32 and the mean loss:
-    :func:`jaxsync.accumulate_grads` (no communication; the model gets plain arrays,
-    on which :func:`jaxsync.tap` is the identity), its mean gradient times the count."""
+) -> tuple[list, Any, Any]:
+    """Each param's local gradient summed over ``mbs`` in fp32, the mean loss and every
+    microbatch's aux, stacked: :func:`jaxsync.accumulate_grads` (no communication; the
+    model gets plain arrays, on which :func:`jaxsync.tap` is the identity), its mean
+    gradient times the count."""
 
     k = jax.tree.leaves(mbs)[0].shape[0]
-    (out, _), g = accumulate_grads(
-        lambda ps, b: loss(jax.tree.unflatten(treedef, ps), b), params, mbs, axis_name=axes,
-        has_aux=True,
+    (out, rests), g = BUCKETED.accumulate(
+        lambda ps, b: loss(jax.tree.unflatten(treedef, ps), b), params, mbs, axes, True,
+        jnp.float32, None, None, all_aux=True,
     )  # fmt: skip
-    return [x * k for x in g], out
+    return [x * k for x in g], out, rests
 
 
 def _early_cast(shard: jax.Array, sync: DimSync) -> jax.Array:
