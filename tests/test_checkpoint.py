@@ -292,7 +292,7 @@ def test_saving_an_old_step_is_refused(tmp_path, setup):
                 ck.save(step, params=params, opt_state=state, tx=tx, mesh=m)
     with (
         jaxsync.Checkpointer(tmp_path / "c") as again,
-        pytest.raises(ValueError, match="--overwrite"),
+        pytest.raises(ValueError, match="delete the old checkpoints first"),
     ):
         again.save(2, params=params, opt_state=state, tx=tx, mesh=m)
     assert jaxsync.Checkpointer(tmp_path / "c").all_steps() == [2]

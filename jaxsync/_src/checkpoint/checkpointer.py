@@ -157,6 +157,11 @@ class Checkpointer(CheckpointIO):
                 CHECKS_ITEM: ocp.JsonCheckpointHandler(),
             },
         )
+        # What the directory holds now is no other writer's (a run resumed from it);
+        # a step that appears there later is, unless this Checkpointer saved it.
+        self._seen = set(self._manager.all_steps())
+        self._mine = set()
+        self._claimed = False
         _finish_at_exit()
         _OPEN.add(self)
 
@@ -186,8 +191,10 @@ class Checkpointer(CheckpointIO):
 
         Raises:
           ValueError: ``step`` is not newer than the newest checkpoint in the
-            directory (it would not be written), a distributed optimizer's state
-            comes without ``tx`` and ``mesh``, or ``meta`` is not JSON.
+            directory (it would not be written, or would overwrite a step another
+            writer saved there: the message names the steps and that writer), another
+            live run holds the directory, a distributed optimizer's state comes
+            without ``tx`` and ``mesh``, or ``meta`` is not JSON.
         """
         step, meta = self._check_save(step, meta)
         dropped = dropped_by_save(opt_state)
@@ -301,9 +308,10 @@ class Checkpointer(CheckpointIO):
           CheckpointMismatchError: the checkpoint's names or shapes do not match
             the model, or its optimizer settings differ from ``tx``'s; the
             message lists every difference.
-          CorruptCheckpointError: files that cannot be read, or arrays that read
-            back other values than were saved; the message names the step and
-            the file or array.
+          CorruptCheckpointError: files that cannot be read or are missing (an
+            incomplete step: the message names the newest complete one and the
+            ``step=`` to restore), or arrays that read back other values than were
+            saved; the message names the step and the file or array.
         """
         step = self._complete_step(step)
 

@@ -31,6 +31,24 @@ HELD = (
     "checked from here), pass `take_over=True` to jaxsync.Checkpointer or delete {path}."
 )
 
+TAKEN = (
+    "checkpoint directory {dir} was taken over by another writer: {owner} (marker {path}), "
+    "after this Checkpointer's last save. Its saves are refused from here on, so that the "
+    "two runs do not overwrite each other's steps: stop one of them, or give this run "
+    "its own directory."
+)
+
+
+def describe(rec: dict[str, Any]) -> str:
+    """A writer record (the marker's, or a step's) in words."""
+    if not rec.get("pid"):
+        return "a writer that left no record of itself"
+    same = rec.get("pid") == os.getpid() and rec.get("host") == socket.gethostname()
+    who = ", another jaxsync.Checkpointer of this very process" if same else ""
+    pid, host, since = rec.get("pid"), rec.get("host"), rec.get("since")
+    return f"process {pid} on host {host!r}{who}, writing since {since}"
+
+
 # Tokens of the locks this process holds now (a closed or collected Checkpointer
 # drops out, so its marker counts as stale).
 _LIVE: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()
@@ -65,6 +83,7 @@ class WriterLock:
         self.take_over = take_over
         self.token = uuid.uuid4().hex
         self.held = False
+        self._taken: dict[str, Any] | None = None
         self._owner = owner  # kept alive only as long as the Checkpointer
 
     def _record(self) -> dict[str, Any]:
@@ -83,10 +102,36 @@ class WriterLock:
             return rec.get("token") not in _LIVE
         return not _alive(int(rec.get("pid", -1)), rec.get("started"))
 
-    def acquire(self) -> None:
-        """Takes the directory, or raises naming the live owner."""
+    def identity(self) -> dict[str, Any]:
+        """Who writes: recorded in each step this writer saves (to name it to another)."""
+        return self._taken or self._record()
+
+    def _read(self) -> dict[str, Any] | None:
+        try:
+            with open(self.path) as f:
+                return json.load(f)
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError):
+            return {}
+
+    def acquire(self) -> bool:
+        """Takes the directory, or raises naming the live owner; checked at every save.
+
+        Returns True when the marker was taken now (this writer's first save, or the
+        marker had been deleted): the caller then reads the directory again, since
+        another writer may have saved steps while no marker was this one's.
+        """
         if self.held:
-            return
+            rec = self._read()
+            if rec is not None and rec.get("token") == self.token:
+                return False
+            if rec:  # another writer took the directory over (`take_over=True`)
+                raise ValueError(
+                    TAKEN.format(dir=self.directory, owner=describe(rec), path=self.path)
+                )
+            self.held = False  # the marker was deleted: take it again
+            _LIVE.pop(self.token, None)
         os.makedirs(self.directory, exist_ok=True)
         record = json.dumps(self._record())
         try:
@@ -98,12 +143,8 @@ class WriterLock:
             except (OSError, ValueError):
                 rec = {}
             if rec.get("token") != self.token and not (self.take_over or self._stale(rec)):
-                owner = (
-                    f"process {rec.get('pid')} on host {rec.get('host')!r}, writing since "
-                    f"{rec.get('since')}"
-                )
                 raise ValueError(
-                    HELD.format(dir=self.directory, owner=owner, path=self.path)
+                    HELD.format(dir=self.directory, owner=describe(rec), path=self.path)
                 ) from None
             tmp = f"{self.path}.{self.token}"
             with open(tmp, "w") as f:
@@ -113,7 +154,9 @@ class WriterLock:
             with os.fdopen(fd, "w") as f:
                 f.write(record)
         self.held = True
+        self._taken = json.loads(record)
         _LIVE[self.token] = self._owner
+        return True
 
     def release(self) -> None:
         """Removes the marker if this lock still owns it."""

@@ -20,15 +20,38 @@ CHECKS_ITEM = "jaxsync"
 
 NO_CHECKPOINT = (
     "no complete checkpoint in {dir}{detail}. Checkpoints that were being written when "
-    "a run died are left as temporary directories and never used; start without "
-    "--resume, or point to the directory the run saved into."
+    "a run died are left as temporary directories and never used. Restore from the "
+    "directory the run saved into, pass `step=` one of the complete steps, or start "
+    "the run afresh without restoring."
+)
+INCOMPLETE_STEP = (
+    "checkpoint step {step} in {dir} is incomplete: {missing}, so its arrays cannot be "
+    "read (a copy or a save cut short). {fix}"
+)
+INCOMPLETE_FIX = (
+    "The newest complete step is {good}: restore it with `step={good}` (e.g. "
+    "`ckpt.restore(..., step={good})` or `ckpt.restore_state(train_step, state_like, "
+    "step={good})`), and delete {path} before saving again (a save must be newer than "
+    "every step in the directory)."
+)
+INCOMPLETE_NONE = (
+    "No other step in {dir} is complete{others}: start the run afresh without restoring, "
+    "or restore from a copy of the directory."
 )
 STEP_NOT_NEWER = (
     "cannot save step {step} in {dir}: it already holds step {newest}, and a checkpoint "
     "is only written for a step newer than the newest one (orbax would skip it without "
     "a word). If this is a new run, give it a fresh directory or delete the old "
-    "checkpoints first (the example trainer's --overwrite does that); if it resumes a "
-    "run, restore that run's newest step before saving."
+    "checkpoints first; if it resumes a run, restore that run's newest step before saving."
+)
+OTHER_WRITER = (
+    "cannot save step {step} in {dir}: another writer ({writer}) saved step(s) {steps} "
+    "there since this Checkpointer last read the directory{newest}, and a save must be "
+    "newer than every step in it: this one would overwrite or fall behind the other run's "
+    "steps, which stay as they are. Two runs saving into one directory lose each other's "
+    "checkpoints: give this run its own directory; or, to continue from the other run's "
+    "checkpoints, restore its newest step (`ckpt.restore(...)` or `ckpt.restore_state(...)`) "
+    "and save only newer steps."
 )
 META_NOT_JSON = (
     "`meta` must be JSON-serialisable (it is saved as JSON); {where} is {value!r} of type "
