@@ -42,6 +42,9 @@ from jaxsync._src.gpu.target import gpu_topology as gpu_topology
 from jaxsync._src.gpu.timings import CollectiveTiming as CollectiveTiming
 from jaxsync._src.gpu.timings import ComputationTiming as ComputationTiming
 from jaxsync._src.gpu.timings import ScheduleReport as ScheduleReport
+from jaxsync._src.gpu.traffic import KernelBytes as KernelBytes
+from jaxsync._src.gpu.traffic import TrafficReport as TrafficReport
+from jaxsync._src.gpu.traffic import hbm_bytes as hbm_bytes
 from jaxsync._src.layout.layout import Layout as Layout
 from jaxsync._src.layout.ownership import WholeMatrices as WholeMatrices
 from jaxsync._src.layout.ownership import whole_matrices as whole_matrices
@@ -117,6 +120,9 @@ __all__ = [
     "MemoryReport",
     "PeakBuffer",
     "memory_report",
+    "KernelBytes",
+    "TrafficReport",
+    "hbm_bytes",
     "OwnedMatrix",
     "OwnershipReport",
     "PartialSaveWarning",
