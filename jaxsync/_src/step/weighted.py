@@ -69,6 +69,7 @@ def weight_factor(loss_fn: Any, batch: Any, axes: tuple[str, ...], k: int) -> ja
     ``W`` (None for a plain loss). ``batch`` is this device's rows, all microbatches."""
     if not isinstance(loss_fn, WeightedLoss):
         return None
+    check_weight_fn(loss_fn.weight_fn, batch, jax.lax.axis_size(axes) * k)
     local = jnp.asarray(jax.lax.stop_gradient(loss_fn.weight_fn(batch)), jnp.float32)
     if local.shape != ():
         raise ValueError(
@@ -77,8 +78,69 @@ def weight_factor(loss_fn: Any, batch: Any, axes: tuple[str, ...], k: int) -> ja
         )
     total = jax.lax.psum(local, axes)
     n = jax.lax.psum(1, axes)
-    # An all-padding global batch: every sum is 0, and so is the gradient.
-    return n * k / jnp.where(total > 0, total, 1.0)
+    # An all-padding global batch is no step: a NaN factor makes the loss and every
+    # gradient NaN, so the step is skipped as a non-finite one (params, optimizer state
+    # and step count kept; counted in state.metrics), never an update of zero gradients
+    # that momentum and weight decay would still apply.
+    return jnp.where(total > 0, n * k / jnp.where(total > 0, total, 1.0), jnp.nan)
+
+
+CONSTANT_WEIGHT = (
+    "jaxsync.weighted_loss: `weight_fn` returns {value!r} whatever the batch holds; the "
+    "step sums every device's and microbatch's weight_fn(rows) into the global weight, so "
+    "a constant (such as the global token count) is counted once per piece: this step's "
+    "{n} pieces (devices x microbatches) would divide by {n}x the weight. Return the "
+    "weight of the rows it is given, e.g. `lambda b: jnp.sum(b['mask'])` (or "
+    "`b['x'].shape[0]` when every row counts)."
+)
+
+
+def check_weight_fn(weight_fn: Callable[[Any], Any], batch: Any, pieces: int) -> None:
+    """Refuses a ``weight_fn`` whose value does not depend on the batch: not on its
+    values (the jaxpr's output is no function of its inputs) nor on its shapes (the
+    same value for twice the rows). Checked at trace time, on shapes only."""
+    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), batch)
+    try:
+        closed = jax.make_jaxpr(weight_fn)(shapes)
+    except Exception:  # weight_fn fails on its own below, with its own error
+        return
+    if _depends(closed.jaxpr):
+        return
+    doubled = jax.tree.map(
+        lambda s: jax.ShapeDtypeStruct((2 * s.shape[0], *s.shape[1:]) if s.shape else (), s.dtype),
+        shapes,
+    )
+    try:
+        with jax.ensure_compile_time_eval():
+            a = _constant(closed)
+            b = _constant(jax.make_jaxpr(weight_fn)(doubled))
+    except Exception:
+        return
+    if a is None or b is None or a != b:
+        return
+    raise ValueError(CONSTANT_WEIGHT.format(value=a, n=pieces))
+
+
+def _depends(jaxpr: Any) -> bool:
+    """Whether an output of ``jaxpr`` is computed from one of its inputs."""
+    seen = {id(v) for v in jaxpr.invars}
+    for eqn in jaxpr.eqns:
+        if any(id(v) in seen for v in eqn.invars if not _literal(v)):
+            seen.update(id(v) for v in eqn.outvars)
+    return any(id(v) in seen for v in jaxpr.outvars if not _literal(v))
+
+
+def _literal(v: Any) -> bool:
+    return type(v).__name__ == "Literal"
+
+
+def _constant(closed: Any) -> float | None:
+    """The value of a jaxpr that reads none of its inputs (zeros stand in for them)."""
+    zeros = [jnp.zeros(v.aval.shape, v.aval.dtype) for v in closed.jaxpr.invars]
+    out = jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *zeros)
+    if len(out) != 1 or jnp.shape(out[0]) != ():
+        return None
+    return float(out[0])
 
 
 def piece_weight(loss_fn: Any, piece: Any) -> jax.Array | None:
