@@ -111,6 +111,13 @@ def communication_bound(
 
     Returns:
       A :class:`CommunicationBound`.
+
+    Raises:
+      ValueError: ``axis_name`` is not an axis of ``mesh``, the mesh is not a
+        :func:`jaxsync.gpu_topology` one, an unknown ``moves`` kind, or an
+        ``optimizer`` that is not elementwise (factored adafactor, lamb, a global-norm
+        clip: the bound would price other work than it does).
+      TypeError: ``optimizer`` is not an optax transformation, ``mesh`` not a Mesh.
     """
     _check_args(params, optimizer, mesh, axis_name)
     n = mesh.shape[axis_name]

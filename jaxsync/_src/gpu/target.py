@@ -190,6 +190,12 @@ def gpu_topology(
     Returns:
       A ``jax.sharding.Mesh`` of compile-only devices.
 
+    Raises:
+      ValueError: an unknown ``kind``; ``hosts`` or ``gpus_per_host`` not a positive
+        int; an ``axes`` name that is not a non-empty str, a size that is not a
+        positive int, or sizes whose product is not the device count.
+      TypeError: ``axes`` is not a mapping.
+
     Example:
       >>> mesh = jaxsync.gpu_topology("h100", hosts=8, gpus_per_host=8)
       >>> step = jaxsync.train_step(loss_fn, optax.adamw(1e-4), mesh)
@@ -202,8 +208,9 @@ def gpu_topology(
             f"`kind` must be one of {sorted(GPUS)} or a jaxsync.GpuSpec, got {kind!r}."
         )
     for arg, value in (("hosts", hosts), ("gpus_per_host", gpus_per_host)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
             raise ValueError(f"`{arg}` must be a positive int, got {value!r}.")
+    hosts, gpus_per_host = int(hosts), int(gpus_per_host)
     total = hosts * gpus_per_host
     axes = _check_axes(axes) if axes is not None else {"data": total}
     if not axes or math.prod(axes.values()) != total:
