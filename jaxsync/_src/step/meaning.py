@@ -142,34 +142,44 @@ def reduce_aux(
 
 
 def combine(x: jax.Array, rule: str, weight: Any, axes: tuple[str, ...]) -> jax.Array:
-    """One leaf ``[pieces, ...]`` combined over pieces and the data ``axes``."""
-    x = to_varying(x, axes)  # a constant too: every device's piece holds its own value
+    """One leaf ``[pieces, ...]`` combined over pieces and the data ``axes``.
+
+    A value the same on every device (not device-varying: a constant, an RNG counter)
+    needs no collective for a mean, max, min, any or all, and a sum of it is a product:
+    only the axes it varies over are reduced (no collectives a step did not have)."""
+    vary = tuple(a for a in axes if a in varying_axes(x))
     if rule == "rows":  # device-major, then piece, then row: the global batch's order
-        flat = x.reshape(-1, *x.shape[2:])
+        flat = to_varying(x, axes).reshape(-1, *x.shape[2:])
         return jax.lax.all_gather(flat, axes, axis=0, tiled=True, to="invarying")
+    if rule == "sum":
+        dtype = jnp.int32 if x.dtype == jnp.bool_ else x.dtype
+        same = [a for a in axes if a not in vary]  # each device holds its own copy
+        total = jnp.sum(x, axis=0, dtype=dtype) * (jax.lax.axis_size(tuple(same)) if same else 1)
+        return jax.lax.psum(total, vary) if vary else total
     if rule == "mean":
         xf = x if jnp.issubdtype(x.dtype, jnp.inexact) else x.astype(jnp.float32)
-        plain = jax.lax.pmean(jnp.mean(xf, axis=0), axes)
+        plain = jnp.mean(xf, axis=0)
+        plain = jax.lax.pmean(plain, vary) if vary else plain
         if weight is None:
             return plain
+        x = to_varying(x, axes)
         w = to_varying(weight.astype(xf.dtype), axes).reshape(-1, *(1,) * (x.ndim - 1))
         num = jax.lax.psum(jnp.sum(w * xf, axis=0), axes)
         den = jax.lax.psum(jnp.sum(w), axes)
         return jnp.where(den > 0, num / jnp.where(den > 0, den, 1), plain)
-    if rule == "sum":
-        dtype = jnp.int32 if x.dtype == jnp.bool_ else x.dtype
-        return jax.lax.psum(jnp.sum(x, axis=0, dtype=dtype), axes)
     if rule in ("max", "min"):
         as_int = x.dtype == jnp.bool_
         y = x.astype(jnp.int32) if as_int else x
         y = jnp.max(y, axis=0) if rule == "max" else jnp.min(y, axis=0)
-        y = jax.lax.pmax(y, axes) if rule == "max" else jax.lax.pmin(y, axes)
+        if vary:
+            y = jax.lax.pmax(y, vary) if rule == "max" else jax.lax.pmin(y, vary)
         return y.astype(jnp.bool_) if as_int else y
     # "any" / "all"
     b = (x != 0).astype(jnp.int32)
-    if rule == "any":
-        return jax.lax.pmax(jnp.max(b, axis=0), axes) > 0
-    return jax.lax.pmin(jnp.min(b, axis=0), axes) > 0
+    b = jnp.max(b, axis=0) if rule == "any" else jnp.min(b, axis=0)
+    if vary:
+        b = jax.lax.pmax(b, vary) if rule == "any" else jax.lax.pmin(b, vary)
+    return b > 0
 
 
 # ---------------------------------------------------------------- model state
