@@ -25,7 +25,7 @@ class Amax(nnx.Variable):
 class Net(nnx.Module):
     def __init__(self, rngs: nnx.Rngs):
         self.bn = nnx.BatchNorm(6, momentum=0.9, rngs=rngs)
-        self.lin = nnx.Linear(6, 3, rngs=rngs)
+        self.lin = nnx.Linear(6, 4, rngs=rngs)
         self.rngs = nnx.Rngs(noise=1)  # an RngCount that every call advances
         self.amax = Amax(jnp.zeros((), jnp.float32))
         self.seen = nnx.Variable(jnp.zeros((), jnp.int32))  # rows seen: a counter
@@ -48,7 +48,7 @@ def batches(steps=2):
     for _ in range(steps):
         x = rng.normal(size=(ROWS, 6)).astype(np.float32)
         x[5] *= 10.0  # one device holds the global maximum
-        out.append((x, rng.normal(size=(ROWS, 3)).astype(np.float32)))
+        out.append((x, rng.normal(size=(ROWS, 4)).astype(np.float32)))
     return out
 
 
@@ -75,12 +75,28 @@ def one_device(bs, lr=0.1):
     return nnx.merge(graphdef, pst, rst)
 
 
-@pytest.mark.parametrize(("mode", "k"), [("zero", 1), ("ddp", 2), ("fsdp", 4)])
-def test_state_is_the_one_device_state(mesh8, mode, k):
+def two_d_net():
+    """A (data=4, model=2) mesh and a Net whose kernel is split over "model"."""
+    from jax.sharding import AxisType, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+    net = Net(nnx.Rngs(0))
+    net.lin.kernel[...] = jax.device_put(net.lin.kernel[...], NamedSharding(mesh, P(None, "model")))
+    return mesh, net
+
+
+@pytest.mark.parametrize(
+    ("mode", "k", "two_d"),
+    [("zero", 1, False), ("ddp", 2, False), ("fsdp", 4, False), ("zero", 2, True),
+     ("fsdp", 2, True)],
+)  # fmt: skip
+def test_state_is_the_one_device_state(mesh8, mode, k, two_d):
     bs = batches()
-    step = jaxsync.train_step(loss_fn, optax.sgd(0.1), mesh8, mode, microbatches=k,
+    mesh, net = two_d_net() if two_d else (mesh8, Net(nnx.Rngs(0)))
+    step = jaxsync.train_step(loss_fn, optax.sgd(0.1), mesh, mode, microbatches=k,
                               state_reduce={"amax": "max"})  # fmt: skip
-    state = step.init(Net(nnx.Rngs(0)))
+    state = step.init(net)
     for b in bs:
         state, _ = step(state, b)
     got, want = step.model(state), one_device(bs)
