@@ -212,7 +212,24 @@ def _kernel_bytes(inst: Any, shapes: dict[str, str], comps: dict) -> int:
                 if index < len(reads):
                     reads[index] = 0
                 written -= _bytes(dus.shape) - _bytes(by_name[dus.operands[1]].shape)
+    if "kind=kLoop" in inst.attrs:
+        # An elementwise (loop) fusion reads at most one element of each operand per
+        # element it writes: a slice of a slice reads the inner part only.
+        out = _elements(inst.shape)
+        reads = [
+            min(r, out * _itemsize(shapes.get(o, "")))
+            for r, o in zip(reads, inst.operands, strict=False)
+        ]
     return sum(reads) + max(written, 0)
+
+
+def _elements(shape: str) -> int:
+    return sum(math.prod(int(d) for d in dims.split(",") if d) for _, dims in _ARRAY.findall(shape))
+
+
+def _itemsize(shape: str) -> int:
+    m = _ARRAY.search(shape)
+    return _DTYPE_BYTES.get(m.group(1), 4) if m else 0
 
 
 def _through(name: str, by_name: dict[str, Any]) -> str:
