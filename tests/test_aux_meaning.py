@@ -186,3 +186,36 @@ def test_deterministic_units_are_pieces_too(mesh8):
                               aux_reduce=RULES)  # fmt: skip
     _, (_, aux) = step(step.init(params), (xs[0], ys[0]))
     check_aux(aux, one_device(params, (xs[0], ys[0]))[1])
+
+
+def scanned_with_aux(params, batch):
+    """helpers.scanned_loss with per-row and count aux: the stacked group's gradient is
+    reduced in the backward scan (the in-loop sync paths, ZeRO's held layers too)."""
+    from helpers import scanned_block
+
+    x, y = batch
+    h = x @ params["inp"]["w"]
+
+    def body(h, p):
+        return scanned_block(jaxsync.tap(p), h), None
+
+    h, _ = jax.lax.scan(jax.checkpoint(body), h, params["blocks"])
+    out = h @ params["head"]["w"]
+    return jnp.mean((out - y) ** 2), {"out": out, "rows": x.shape[0], "top": jnp.max(out)}
+
+
+@pytest.mark.parametrize(("mode", "k"), [("zero", 1), ("zero", 2), ("ddp", 2), ("fsdp", 2)])
+def test_aux_with_stacked_layers(mesh8, mode, k):
+    from helpers import scanned_batches, scanned_params
+
+    params = scanned_params(jax.random.PRNGKey(0), layers=3)
+    xs, ys = scanned_batches(jax.random.PRNGKey(1), steps=1, batch=ROWS)
+    step = jaxsync.train_step(
+        scanned_with_aux, optax.sgd(0.1), mesh8, mode, has_aux=True, microbatches=k,
+        stacked="blocks", aux_reduce={"top": "max"},
+    )  # fmt: skip
+    _, (_, aux) = step(step.init(params), (xs[0], ys[0]))
+    want = scanned_with_aux(params, (xs[0], ys[0]))[1]
+    np.testing.assert_allclose(aux["out"], want["out"], rtol=1e-5, atol=1e-6)
+    assert int(aux["rows"]) == ROWS
+    np.testing.assert_allclose(aux["top"], want["top"], rtol=1e-6)
