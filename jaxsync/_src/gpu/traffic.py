@@ -40,7 +40,7 @@ _COLLECTIVE = re.compile(
     r"collective-broadcast|ragged-all-to-all)(-start|-done)?$"
 )
 _SLICES = frozenset({"dynamic-slice", "slice"})
-_SEE_THROUGH = frozenset({"bitcast", "reshape", "copy"})
+_SEE_THROUGH = frozenset({"bitcast", "reshape", "copy", "convert", "reduce-precision"})
 _TARGET = re.compile(r'custom_call_target="([^"]*)"')
 KINDS = ("matmul", "attention", "other")
 
@@ -203,7 +203,7 @@ def _kernel_bytes(inst: Any, shapes: dict[str, str], comps: dict) -> int:
                 continue
             seen = _read_part(name, users, by_name)
             if seen is not None:
-                reads[index] = min(reads[index], seen)
+                reads[index] = min(reads[index], seen * _itemsize(by_name[name].shape))
         updated = [i for i in body if i.opcode == "dynamic-update-slice"]
         for dus in updated:
             base = _through(dus.operands[0], by_name)
@@ -240,17 +240,21 @@ def _through(name: str, by_name: dict[str, Any]) -> str:
 
 
 def _read_part(name: str, users: dict, by_name: dict) -> int | None:
-    """Bytes a fusion reads of parameter ``name`` when every use slices it (through
-    bitcasts); None when some use reads it whole."""
+    """Elements a fusion reads of ``name`` when every use slices it, through bitcasts
+    and elementwise conversions (a slice of a converted dynamic slice reads the
+    inner slice); None when some use reads it whole."""
+    if not users.get(name):
+        return None  # the fusion's result: read whole
     total = 0
-    for user in users.get(name, ()):
+    for user in users[name]:
         if user.opcode in _SEE_THROUGH:
             inner = _read_part(user.name, users, by_name)
             if inner is None:
                 return None
             total += inner
         elif user.opcode in _SLICES and user.operands and user.operands[0] == name:
-            total += _bytes(user.shape)
+            inner = _read_part(user.name, users, by_name)
+            total += _elements(user.shape) if inner is None else inner
         elif user.opcode == "dynamic-update-slice" and user.operands[0] == name:
             continue  # the buffer updated in place
         elif name in user.operands[1 if user.opcode == "dynamic-slice" else 2 :] and (
