@@ -13,9 +13,13 @@ has not joined the job within ``--init-timeout``, when a process has made no
 progress for ``--stall-timeout`` (its Python stack is printed first: a process
 stuck somewhere and the processes waiting for it in a collective all stall, and
 the stacks show which is which), and when ``--timeout`` passes. A process that
-finishes while others still run is reported. SIGTERM,
-SIGINT and SIGHUP sent to the launcher are passed on to every process, which
-is then stopped the same way, so no process outlives the launcher.
+ends because another one failed (its watchdog or error hook names it, see
+:mod:`jaxsync._src.multihost.faults`) puts the blame on that one. A process that
+finishes while others still run is reported. SIGTERM, SIGINT and SIGHUP sent
+to the launcher are passed on to every process, which is then stopped the same
+way (SIGKILL after ``--grace``), and a launcher killed outright (SIGKILL) takes
+its processes with it (Linux: each asks the kernel for SIGKILL when the
+launcher dies), so no process outlives the launcher.
 """
 
 from __future__ import annotations
@@ -80,40 +84,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _check_args(
-    nproc: int,
-    devices_per_proc: int | None,
-    port: int | None,
-    timeout: float | None,
-    grace: float,
-    init_timeout: float,
-    stall_timeout: float,
-) -> None:
-    if not isinstance(nproc, int) or nproc < 1:
-        raise ValueError(f"`--nproc` must be an integer >= 1, got {nproc!r}.")
-    if devices_per_proc is not None and (
-        not isinstance(devices_per_proc, int) or devices_per_proc < 1
-    ):
-        raise ValueError(
-            f"`--devices-per-proc` must be an integer >= 1 (CPU devices simulated in each "
-            f"process), got {devices_per_proc!r}; leave it out to use the real devices."
-        )
-    if port is not None and not 0 < port < 65536:
-        raise ValueError(f"`--port` must be in 1..65535, got {port!r}.")
-    if timeout is not None and not timeout > 0:
-        raise ValueError(f"`--timeout` must be positive (seconds), got {timeout!r}.")
-    if not grace >= 0:
-        raise ValueError(f"`--grace` must be >= 0 (seconds), got {grace!r}.")
-    if not init_timeout >= 0:
-        raise ValueError(
-            f"`--init-timeout` must be >= 0 (seconds; 0: no limit), got {init_timeout!r}."
-        )
-    if not stall_timeout >= 0:
-        raise ValueError(
-            f"`--stall-timeout` must be >= 0 (seconds; 0: no limit), got {stall_timeout!r}."
-        )
-
-
 def launch(
     argv: list[str],
     *,
@@ -151,7 +121,7 @@ def launch(
       that failed, 124 on ``timeout`` or ``stall_timeout``, 128 + the signal's number when the
       launcher was signalled, 1 when a process did not join the job.
     """
-    _check_args(nproc, devices_per_proc, port, timeout, grace, init_timeout, stall_timeout)
+    children.check_args(nproc, devices_per_proc, port, timeout, grace, init_timeout, stall_timeout)
     out = sys.stdout if out is None else out
     err = sys.stderr if err is None else err
     port = port or free_port()
@@ -204,14 +174,17 @@ class _Job:
                 penv.setdefault("JAX_PLATFORMS", "cpu")
             # A session of its own, so that stopping it stops whatever it started;
             # signals to the launcher are passed on explicitly.
-            p = subprocess.Popen(
-                [sys.executable, *argv],
-                env=penv,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
+            self.procs.append(
+                subprocess.Popen(
+                    [sys.executable, *argv],
+                    env=penv,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                    preexec_fn=children.die_with_parent(os.getpid()),
+                )
             )
-            self.procs.append(p)
+        for rank, p in enumerate(self.procs):
             pump = threading.Thread(
                 target=children.pump,
                 args=(rank, p.stdout, out, self.lock, self.raised),
@@ -304,6 +277,8 @@ class _Job:
                         )
                     running = self.running()
                     note = "" if self.joined(ended.rank) else " (before jaxsync.initialize())"
+                    # It may have ended because of another's failure, which it named.
+                    named = children.culprit(self.launch_dir, ended.rank)
                     # A process stuck elsewhere makes the others fail (a collective
                     # times out): say which of the survivors had stopped progressing.
                     idle = "".join(
@@ -317,10 +292,13 @@ class _Job:
                         if running
                         else "no other process was still running."
                     )
-                    self.say(
-                        f"process {ended.rank} failed first: it {how}{note} after "
-                        f"{ended.time - start:.1f}s; {rest}{idle}"
-                    )
+                    first = f"process {ended.rank} failed first: it"
+                    if named is not None:
+                        first = (
+                            f"process {named[0]} failed first: {named[1]}. Process "
+                            f"{ended.rank} ended because of it: it"
+                        )
+                    self.say(f"{first} {how}{note} after {ended.time - start:.1f}s; {rest}{idle}")
                     return code
                 if self.nproc > 1 and not self.joined(ended.rank):
                     self.say(NO_INITIALIZE.format(rank=ended.rank, nproc=self.nproc))

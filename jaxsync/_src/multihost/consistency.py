@@ -21,6 +21,7 @@ import jax
 import numpy as np
 
 from ..core.names import param_name
+from . import watchdog
 
 PyTree = Any
 
@@ -138,6 +139,11 @@ def check_agree(items: Sequence[tuple[str, str]], fn: str, what: str = "") -> No
     n = jax.process_count()
     if n == 1 or not items:
         return
+    with watchdog.phase(watchdog.CHECK):  # a process that never joins it is named
+        _check_agree(items, fn, what, n)
+
+
+def _check_agree(items: Sequence[tuple[str, str]], fn: str, what: str, n: int) -> None:
     mine = np.stack([_digest(text) for _, text in items])
     # The count first: processes with different numbers of items would gather
     # arrays of different shapes, which deadlocks instead of failing.

@@ -10,7 +10,10 @@ collectives are not available.
 In a multi-process run, an exception that nobody catches ends the process at
 once (after printing it): JAX's shutdown at exit waits for every other process,
 so a failed process would otherwise stay alive until the others time out, and
-neither the launcher nor the cluster could tell which one failed.
+neither the launcher nor the cluster could tell which one failed. Before it
+ends, it says which process is at fault (:mod:`.blame`): itself (published for
+the others to name, :mod:`.faults`), or another one, when its error only says
+that a collective broke.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from typing import NamedTuple
 
 import jax
 
-from . import watchdog
+from . import blame, watchdog
 from .launched import report_to_launcher
 
 #: Environment variables set by ``python -m jaxsync.launch`` for each process.
@@ -71,6 +74,7 @@ def initialize(
     cpu_collectives: str = "gloo",
     exit_on_error: bool = True,
     hang_timeout: float | None = None,
+    first_step_timeout: float | None = None,
 ) -> ProcessInfo:
     """Starts JAX's multi-process runtime when this is a multi-process run.
 
@@ -91,6 +95,12 @@ def initialize(
         :mod:`jaxsync._src.multihost.watchdog`). Default: the environment
         variable ``JAXSYNC_HANG_TIMEOUT``, else off; 0 is off. Set it above the
         longest step, compilation, evaluation and checkpoint save.
+      first_step_timeout: with ``hang_timeout``, the allowance of everything
+        before a process's first step has finished on its device (set-up, data
+        loading, compilation), in seconds, instead of ``hang_timeout``: a
+        process that hangs before its first step is named once it runs out.
+        Default: the environment variable ``JAXSYNC_FIRST_STEP_TIMEOUT``, else
+        600 s or ``hang_timeout`` if longer; 0 is no limit.
 
     Returns:
       A :class:`ProcessInfo`; ``how`` says which path was taken.
@@ -135,7 +145,9 @@ def initialize(
     if exit_on_error and info.num_processes > 1:
         _exit_on_uncaught_exception()
         _exit_now_on_failure_code()
-    watchdog.start(hang_timeout, info.process_id, info.num_processes)
+    watchdog.start(hang_timeout, info.process_id, info.num_processes, first_step_timeout)
+    if info.num_processes > 1:
+        blame.note_aborts(info.process_id)
     launch_dir = os.environ.get(ENV_LAUNCH_DIR)
     if how == "jaxsync.launch" and launch_dir:
         report_to_launcher(launch_dir, info.process_id)
@@ -148,13 +160,15 @@ def _exit_on_uncaught_exception() -> None:
         return
 
     def hook(kind: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
+        code = 130 if issubclass(kind, KeyboardInterrupt) else 1
         try:
             previous(kind, value, tb)
+            code = blame.on_uncaught(kind, value, code)
         finally:
             for stream in (sys.stdout, sys.stderr):
                 with contextlib.suppress(Exception):  # a closed stream must not keep us
                     stream.flush()
-            os._exit(130 if issubclass(kind, KeyboardInterrupt) else 1)
+            os._exit(code)
 
     hook._jaxsync_exits = True  # type: ignore[attr-defined]
     sys.excepthook = hook

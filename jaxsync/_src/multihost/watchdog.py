@@ -1,9 +1,15 @@
 """A hang names itself: every process exits, naming who did not arrive, where.
 
+In every multi-process run started by :func:`jaxsync.initialize` a *monitor*
+runs (two daemon threads, below): it publishes this process's heartbeat and
+position and reads every process's, with the fault records of :mod:`.faults`,
+about once a second. A process that reads another's fault record exits at once,
+naming it. With a ``hang_timeout`` the monitor also judges hangs:
+
 When one process of a multi-process run stops (stuck in user code, deadlocked,
 SIGSTOPped, dead without the coordinator noticing), the others wait in the next
-collective forever, and XLA cannot be interrupted from Python. So, with a
-``hang_timeout``, each process runs two daemon threads:
+collective forever, and XLA cannot be interrupted from Python. So each process
+runs two daemon threads:
 
 - the *publisher* writes this process's heartbeat counter, its (step, phase) and
   how many steps its device has finished into the coordination service's
@@ -14,10 +20,16 @@ collective forever, and XLA cannot be interrupted from Python. So, with a
   stacks to stderr and ends the process with :data:`HANG_EXIT_CODE` through
   ``os._exit`` (the only way out of a blocked collective).
 
-The training thread only assigns a tuple (:func:`run_step`, :func:`phase`): no
-RPC sits on the step's path, and the step counter is read from the device once per
-state it did not return itself (the first step, a restored state). The optimizer
-update runs in the step's one XLA program, so it is reported as forward/backward.
+The first step (until this process's device has finished one) gets
+``first_step_timeout`` instead of ``hang_timeout``: it includes compilation, and
+a process that never reaches it (stuck in set-up) is named once it runs out.
+
+The training thread only assigns a tuple (:func:`run_step`, :func:`phase`) and
+compares the batch's shapes with the last step's: no RPC sits on the step's
+path unless the shapes changed (then :mod:`.shapes` asks whether every process's
+did), and the step counter is read from the device once per state it did not
+return itself (the first step, a restored state). The optimizer update runs in
+the step's one XLA program, so it is reported as forward/backward.
 """
 
 from __future__ import annotations
@@ -33,11 +45,26 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
+from . import faults, shapes
+
 #: Exit code of a process the watchdog ends (EX_TEMPFAIL: restart from a checkpoint).
 HANG_EXIT_CODE = 75
 #: Read by :func:`jaxsync.initialize` when ``hang_timeout`` is not given.
 ENV_HANG_TIMEOUT = "JAXSYNC_HANG_TIMEOUT"
+#: Read by :func:`jaxsync.initialize` when ``first_step_timeout`` is not given.
+ENV_FIRST_STEP_TIMEOUT = "JAXSYNC_FIRST_STEP_TIMEOUT"
+#: The first step's allowance (set-up, compilation) when neither says: 10 minutes,
+#: or ``hang_timeout`` if that is longer.
+FIRST_STEP_TIMEOUT = 600.0
+#: How often the monitor publishes and reads without a ``hang_timeout``, seconds.
+MONITOR_INTERVAL = 1.0
+#: Without a ``hang_timeout``: a process whose heartbeat stood still this long (seconds)
+#: is dead, killed or frozen, and the others exit naming it. Read from the environment.
+ENV_DEAD_TIMEOUT = "JAXSYNC_DEAD_TIMEOUT"
+DEAD_TIMEOUT = 30.0
 START, DATA, STEP, CHECKPOINT = "start", "data", "forward/backward", "checkpoint"
+#: The cross-process comparisons of :mod:`.consistency` (at ``init``, the first step).
+CHECK = "cross-process check"
 _KEY = "jaxsync/hang/"
 _DEAD = "dead, stopped or frozen"
 
@@ -46,6 +73,7 @@ _pos: tuple[int, str] = (0, START)
 _last_step: tuple[Any, int] | None = None  # (the step array the last step returned, its value)
 _pending: collections.deque = collections.deque(maxlen=64)  # (step, loss) not seen finished
 _watch: _Watch | None = None
+_shapes: dict[Any, tuple] = {}  # step function -> its last batch's (shape, dtype)s
 
 
 class Seen(NamedTuple):
@@ -64,31 +92,44 @@ class Verdict(NamedTuple):
     named: tuple[int, ...]
 
 
-def decide(seen: list[Seen], timeout: float) -> Verdict | None:
+def decide(seen: list[Seen], timeout: float, first_step: float | None = None) -> Verdict | None:
     """Who holds the job up, from what every process last published (pure).
 
     A process whose heartbeat stood still for ``timeout`` is dead or stopped. Else
     the processes furthest behind (lowest step; at equal steps between steps
     before inside one) that have not moved for ``timeout`` while another is ahead
     hold the others up. Else, all at one place for ``timeout`` are stuck together,
-    inside a collective or a step. Set-up before a process's first step is not timed.
+    inside a collective or a step. Processes whose device has not finished a step
+    yet (set-up, compilation) get ``first_step`` (default: :func:`first_step_from`)
+    instead of ``timeout``.
     """
+    first_step = first_step_from(first_step, timeout)
     silent = tuple(s.rank for s in seen if s.beat_age > timeout)
     if silent:
         return Verdict("silent", silent)
     lowest = min(_order(s) for s in seen)
     behind = [s for s in seen if _order(s) == lowest]
-    if behind[0].phase == START or any(s.pos_age <= timeout for s in behind):
-        return None  # set-up before the first step (model init, compilation) is not timed
+    # Set-up before the first step (model init, compilation) has its own allowance.
+    limit = first_step if all(s.done == 0 for s in behind) else timeout
+    if any(s.pos_age <= limit for s in behind):
+        return None
     why = "behind" if len(behind) < len(seen) else "together"
     return Verdict(why, tuple(s.rank for s in behind))
 
 
 def _order(s: Seen) -> tuple[int, int]:
-    return (s.step, 1 if s.phase == STEP else 0)
+    # set-up before any step < between steps (or in a check) < inside the step
+    return (s.step, 2 if s.phase == STEP else 0 if s.phase == START else 1)
 
 
-def report(verdict: Verdict, seen: list[Seen], timeout: float, me: int) -> str:
+def report(
+    verdict: Verdict,
+    seen: list[Seen],
+    timeout: float,
+    me: int,
+    first_step: float | None = None,
+    limit: str = "hang_timeout",
+) -> str:
     """The message a verdict prints: who, at which step and phase, for how long."""
     by_rank = {s.rank: s for s in seen}
     named = ", ".join(str(r) for r in verdict.named)
@@ -96,43 +137,53 @@ def report(verdict: Verdict, seen: list[Seen], timeout: float, me: int) -> str:
     if verdict.why == "silent":
         head = (
             f"process(es) {named} stopped answering: no heartbeat for {first.beat_age:.1f}s "
-            f"({_DEAD}), last seen at {_where(first)}"
+            f"({_DEAD}), last seen at {where(first)}"
         )
     elif verdict.why == "behind":
         head = (
-            f"process(es) {named} did not arrive: stuck at {_where(first)} for "
+            f"process(es) {named} did not arrive: stuck at {where(first)} for "
             f"{first.pos_age:.1f}s while the others are ahead and wait for it"
         )
         if first.beat_age > timeout / 3:  # live ones beat every timeout / 10 s
             head += f"; its heartbeat stopped too, {first.beat_age:.1f}s ago ({_DEAD})"
     else:
         head = (
-            f"every process has been at {_where(first)} for {first.pos_age:.1f}s: none is "
+            f"every process has been at {where(first)} for {first.pos_age:.1f}s: none is "
             "behind, so the step itself does not finish somewhere (a process stuck inside "
             "it, e.g. in a host callback, or a step longer than the timeout); see the "
             "Python stacks"
         )
+    if verdict.why != "silent" and first.done == 0:
+        head += (
+            f" (before its first step finished: first_step_timeout="
+            f"{first_step_from(first_step, timeout):g}s)"
+        )
     lines = [
-        f"jaxsync hang watchdog (process {me}, hang_timeout={timeout:g}s): {head}. "
+        f"jaxsync hang watchdog (process {me}, {limit}={timeout:g}s): {head}. "
         f"Exiting with code {HANG_EXIT_CODE}."
     ]
     for s in seen:
         who = " (this process)" if s.rank == me else ""
         lines.append(
-            f"  process {s.rank}{who}: {_where(s)}; moved {s.pos_age:.1f}s ago, "
+            f"  process {s.rank}{who}: {where(s)}; moved {s.pos_age:.1f}s ago, "
             f"heartbeat {s.beat_age:.1f}s ago"
         )
     return "\n".join(lines)
 
 
-def _where(s: Seen) -> str:
+def where(s: Seen) -> str:
     if s.phase != STEP and s.done < s.step:  # dispatched, but its device is not done
         return f"step {s.done}, phase {STEP} (device; host already at step {s.step}, {s.phase})"
     return f"step {s.step}, phase {s.phase}"
 
 
 def run_step(fn: Callable[[Any, Any], Any], state: Any, batch: Any) -> Any:
-    """``fn(state, batch)`` (returning ``(state, loss)``), marked as step ``state.step``."""
+    """``fn(state, batch)`` (returning ``(state, loss)``), marked as step ``state.step``.
+
+    Raises:
+      ValueError: the batch's shapes changed on this process and not on every process
+        alike (:mod:`.shapes`; the others are told through a fault record).
+    """
     global _pos, _last_step
     if _watch is None:
         return fn(state, batch)
@@ -141,6 +192,12 @@ def run_step(fn: Callable[[Any, Any], Any], state: Any, batch: Any) -> Any:
         n = _last_step[1]
     else:  # a state this process did not step before: read its counter once
         n = int(step.addressable_data(0))
+    now = shapes.signature(batch)
+    before = _shapes.get(fn)
+    if before != now:  # a host-side comparison: the only cost when nothing changed
+        _shapes[fn] = now
+        if before is not None:
+            shapes.check_changed(_watch, n, before, now)
     _pos = (n, STEP)
     out = fn(state, batch)
     _last_step = (out[0].step, n + 1)
@@ -161,48 +218,73 @@ def phase(name: str) -> Iterator[None]:
         _pos = (_pos[0], before[1])
 
 
-def timeout_from(hang_timeout: float | None) -> float | None:
-    """``hang_timeout``, else :data:`ENV_HANG_TIMEOUT`; None when off (unset or 0)."""
-    what = "`hang_timeout`"
-    if hang_timeout is None:
-        text = os.environ.get(ENV_HANG_TIMEOUT, "").strip()
+def _seconds(value: float | None, env: str, what: str) -> float | None:
+    """``value``, else the environment variable ``env``; None when neither is set."""
+    if value is None:
+        text = os.environ.get(env, "").strip()
         if not text:
             return None
-        what = f"{ENV_HANG_TIMEOUT}={text!r}"
+        what = f"{env}={text!r}"
         try:
-            hang_timeout = float(text)
+            value = float(text)
         except ValueError:
-            hang_timeout = -1.0
-    if not hang_timeout >= 0:  # also NaN
+            value = -1.0
+    if not value >= 0:  # also NaN
         raise ValueError(
             f"{what} must be a number of seconds >= 0 (0: off), above the longest step, "
-            f"compilation and checkpoint save; got {hang_timeout!r}."
+            f"compilation and checkpoint save; got {value!r}."
         )
-    return float(hang_timeout) or None
+    return float(value)
 
 
-def start(hang_timeout: float | None, process_id: int, num_processes: int) -> None:
-    """Starts the watchdog for a multi-process run (idempotent; off without a timeout)."""
+def timeout_from(hang_timeout: float | None) -> float | None:
+    """``hang_timeout``, else :data:`ENV_HANG_TIMEOUT`; None when off (unset or 0)."""
+    return _seconds(hang_timeout, ENV_HANG_TIMEOUT, "`hang_timeout`") or None
+
+
+def first_step_from(first_step_timeout: float | None, timeout: float | None) -> float:
+    """The first step's allowance: ``first_step_timeout``, else
+    :data:`ENV_FIRST_STEP_TIMEOUT`, else the longer of :data:`FIRST_STEP_TIMEOUT`
+    and ``timeout``; 0 means no limit."""
+    got = _seconds(first_step_timeout, ENV_FIRST_STEP_TIMEOUT, "`first_step_timeout`")
+    if got is None:
+        return max(FIRST_STEP_TIMEOUT, timeout or 0.0)
+    return got or float("inf")
+
+
+def start(
+    hang_timeout: float | None,
+    process_id: int,
+    num_processes: int,
+    first_step_timeout: float | None = None,
+) -> None:
+    """Starts the monitor of a multi-process run (idempotent), judging hangs when a
+    timeout is set."""
     global _watch
     timeout = timeout_from(hang_timeout)
-    if timeout is None or num_processes < 2 or _watch is not None:
+    first = first_step_from(first_step_timeout, timeout)
+    if num_processes < 2 or _watch is not None:
         return
     from jax._src.distributed import global_state
 
-    _watch = _Watch(global_state.client, process_id, num_processes, timeout)
+    _watch = _Watch(global_state.client, process_id, num_processes, timeout, first)
     for target, name in ((_watch.publish, "publisher"), (_watch.judge, "judge")):
         threading.Thread(target=target, name=f"jaxsync-hang-{name}", daemon=True).start()
 
 
 class _Watch:
-    def __init__(self, client: Any, rank: int, nproc: int, timeout: float):
-        self.client, self.rank, self.timeout = client, rank, timeout
-        self.interval = min(timeout / 10, 2.0)
+    def __init__(self, client: Any, rank: int, nproc: int, timeout: float | None, first: float):
+        self.client, self.rank, self.nproc, self.timeout = client, rank, nproc, timeout
+        self.first = first
+        self.dead = _seconds(None, ENV_DEAD_TIMEOUT, ENV_DEAD_TIMEOUT) or DEAD_TIMEOUT
+        self.interval = min(timeout / 10, 2.0) if timeout else MONITOR_INTERVAL
         now = time.monotonic()
         # rank -> [published text, beat, beat changed at, (step, phase), moved at, done]
         self.table = {r: ["", -1, now, (0, START), now, 0] for r in range(nproc)}
         self.answered = now  # when the key-value store last answered
         self.done = 0
+        self.faults: dict[int, dict] = {}  # fault records, as last read
+        self.quit = threading.Event()  # set while this process reports its own failure
 
     def _finished(self) -> int:
         while _pending:
@@ -214,6 +296,16 @@ class _Watch:
             _pending.popleft()
         return self.done
 
+    def positions(self, entries: list[tuple[str, str]]) -> dict[int, tuple[int, str]]:
+        """(step, phase) by rank, from ``key_value_dir_get`` entries."""
+        out = {}
+        for key, value in entries:
+            if key.startswith(_KEY):
+                with contextlib.suppress(ValueError, TypeError, IndexError):
+                    _, s, p, _ = json.loads(value)
+                    out[int(key.rsplit("/", 1)[1])] = (s, p)
+        return out
+
     def publish(self) -> None:
         beat = 0
         while True:
@@ -222,12 +314,14 @@ class _Watch:
             text = json.dumps([beat, step, where, self._finished()])
             try:  # blocks while the coordinator (in process 0) is stopped: the judge sees it
                 self.client.key_value_set(f"{_KEY}{self.rank}", text, allow_overwrite=True)
-                entries = self.client.key_value_dir_get(_KEY)
+                entries = self.client.key_value_dir_get("jaxsync/")
             except Exception:  # its absence of answers is what the judge looks at
                 time.sleep(self.interval)
                 continue
             now = time.monotonic()
             for key, value in entries:
+                if not key.startswith(_KEY):
+                    continue
                 row = self.table.get(int(key.rsplit("/", 1)[1]))
                 if row is None or row[0] == value:
                     continue
@@ -237,6 +331,7 @@ class _Watch:
                 if (s, p) != row[3]:
                     row[3], row[4] = (s, p), now
                 row[0], row[5] = value, d
+            self.faults = faults.parse(entries)
             self.answered = now
             time.sleep(self.interval)
 
@@ -249,28 +344,51 @@ class _Watch:
     def judge(self) -> None:
         while True:
             time.sleep(self.interval)
+            rec = faults.first(self.faults, self.rank, hangs=False)
+            if rec is not None and not self.quit.is_set():
+                faults.blame(self.rank, rec["rank"], faults.describe(rec))
+                self.fail(faults.peer_failed(rec, self.rank), faults.PEER_EXIT_CODE, rec["rank"])
             now = time.monotonic()
             seen = self.seen(now)
-            if now - self.answered > self.timeout and self.rank != 0:
+            limit = self.timeout or self.dead  # without a hang_timeout: the dead only
+            if now - self.answered > limit and self.rank != 0:
                 # The coordination service lives in process 0: it is stopped or frozen.
                 seen = [s._replace(beat_age=now - self.answered) if s.rank == 0 else s
                         for s in seen]  # fmt: skip
                 verdict: Verdict | None = Verdict("silent", (0,))
+            elif self.timeout:
+                verdict = decide(seen, self.timeout, self.first)
             else:
-                verdict = decide(seen, self.timeout)
-            if verdict is not None:
-                text = report(verdict, seen, self.timeout, self.rank)
-                if now - self.answered > self.timeout / 3 and self.rank != 0:
+                silent = tuple(s.rank for s in seen if s.beat_age > limit)
+                verdict = Verdict("silent", silent) if silent else None
+            if verdict is not None and not self.quit.is_set():  # else: the error hook reports
+                name = "hang_timeout" if self.timeout else ENV_DEAD_TIMEOUT
+                text = report(verdict, seen, limit, self.rank, self.first, name)
+                if now - self.answered > limit / 3 and self.rank != 0:
                     quiet = now - self.answered
                     text += f"\n  (the coordination service in process 0: silent for {quiet:.1f}s)"
-                self.fail(text)
+                culprit = self.rank if self.rank in verdict.named else verdict.named[0]
+                if verdict.why == "together":  # no one to blame: each sees it for itself
+                    culprit = -1
+                elif culprit != self.rank:
+                    faults.blame(self.rank, culprit, text.split("\n")[0])
+                self.fail(text, HANG_EXIT_CODE, culprit)
 
-    def fail(self, message: str) -> None:
+    def fail(self, message: str, code: int, culprit: int) -> None:
+        """Says ``message``, publishes it as a fault (caused by ``culprit``'s unless
+        that is this process; -1: by none, shared by all), exits with ``code``."""
+        self.quit.set()
+        step, where = _pos
+        after = None if culprit == self.rank else culprit
+        line = message.split("\n")[0][:500]
+        rec = faults.record(self.rank, step, where, line, after, code == HANG_EXIT_CODE)
+        faults.publish(self.rank, rec)
         with contextlib.suppress(Exception):
             sys.stderr.write(message + "\n")
             sys.stderr.flush()
-            faulthandler.dump_traceback(sys.stderr, all_threads=True)
+            if code == HANG_EXIT_CODE:
+                faulthandler.dump_traceback(sys.stderr, all_threads=True)
             sys.stdout.flush()
         if self.rank == 0:  # hosts the coordination service, whose loss JAX answers by
             time.sleep(2 * self.interval + 0.5)  # aborting the others: let them report
-        os._exit(HANG_EXIT_CODE)
+        os._exit(code)
