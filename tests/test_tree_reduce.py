@@ -98,3 +98,16 @@ def test_step_metrics_match_the_single_device_gradient(mesh8, mode, loss_scale):
     else:
         with pytest.raises(ValueError, match="pass `state.params`"):
             jaxsync.nonfinite_report(state, params, mesh8)
+
+
+@pytest.mark.parametrize("fn", [lambda g: sq_sum_and_zeros([g]), lambda g: nonfinite_leaves([g])])
+def test_the_guard_makes_no_float_zeros_of_a_gradient_s_shape(fn):
+    # XLA merges equal broadcasts: an fp32 zeros of the gradient's shape in the
+    # guard became one buffer with the gradient accumulator's zero init, kept whole
+    # beside it (one H100, 0.94B GPT, ZeRO: 3 GiB more memory, 6.4 GB more traffic).
+    g = jax.ShapeDtypeStruct((65536,), jnp.float32)
+    text = jax.jit(fn).lower(g).as_text()
+    assert "tensor<65536xf32>" in text
+    for line in text.splitlines():
+        if "broadcast_in_dim" in line or "stablehlo.constant" in line:
+            assert "65536xf32" not in line, line

@@ -29,19 +29,28 @@ def sq_sum_and_zeros(leaves: Sequence[jax.Array]) -> tuple[jax.Array, jax.Array]
 def count_zeros(x: jax.Array) -> jax.Array:
     """Exact zeros in ``x``, as fp32 (exact to 2**24 per device, as Megatron's
     float count). A float sum, not an integer one: XLA:CPU hands float sums to a
-    library kernel and splits integer ones into three compiled kernels."""
-    return jnp.sum(jnp.where(x == 0, jnp.float32(1), jnp.float32(0)))
+    library kernel and splits integer ones into three compiled kernels.
+
+    Read from the bits (``+0`` and ``-0`` are the only floats whose bits shifted
+    left by one are 0), never against an fp32 array of zeros: XLA merges such a
+    broadcast with the gradient accumulator's zero init of the same shape, and must
+    then keep the zeros apart from the buffer the loop writes. That was a second
+    fp32 gradient-sized buffer and 6.4 GB of traffic per step (0.94B GPT, one H100,
+    ZeRO and FSDP: arguments + temporaries 21158 -> 18085 MiB)."""
+    bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
+    return jnp.sum(((bits << 1) == 0).astype(jnp.float32))
 
 
 def nonfinite_leaves(leaves: Sequence[jax.Array]) -> jax.Array:
     """``bool[len(leaves)]``: whether each leaf holds a NaN or an Inf.
 
-    ``sum(g * 0)`` is NaN exactly when ``g`` holds one (``inf * 0`` is NaN, and a
-    sum of signed zeros cannot overflow), and a float sum is the reduction
+    ``sum(g - g)`` is NaN exactly when ``g`` holds one (``inf - inf`` is NaN, and a
+    sum of zeros cannot overflow; no array of zeros to merge with another, as
+    :func:`count_zeros` says), and a float sum is the reduction
     XLA:CPU compiles fastest: 2-2.5x faster than ``all(isfinite(g))`` leaf by
     leaf, or than one padded row reduction over all leaves (measured on 8 and 16
     leaves). On GPU each is one small reduction reading its leaf once.
     """
     if not leaves:
         return jnp.zeros((0,), bool)
-    return jnp.isnan(jnp.stack([jnp.sum(g * 0).astype(jnp.float32) for g in leaves]))
+    return jnp.isnan(jnp.stack([jnp.sum(g - g).astype(jnp.float32) for g in leaves]))
