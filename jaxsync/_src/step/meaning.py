@@ -235,7 +235,7 @@ def reduce_state(
     stays as it was, so NaNs never reach it."""
 
     def one(path: Any, x: Any, before: Any) -> Any:
-        name = ".".join(param_name((k,)) for k in path)
+        name = param_name(path)
         rule = rules.get(name)
         floating = jnp.issubdtype(x.dtype, jnp.floating)
         if rule is None:

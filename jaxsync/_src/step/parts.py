@@ -95,7 +95,8 @@ def loss_of(
             out = out * factor.astype(out.dtype)
         if scale is not None:
             out = out * scale.astype(out.dtype)
-        return out, LossAux(rest, user, piece_weight(cfg.loss_fn, batch))
+        weight = piece_weight(cfg.loss_fn, batch) if cfg.has_aux else None
+        return out, LossAux(rest, user, weight)
 
     return loss
 
