@@ -137,3 +137,10 @@ def test_a_skipped_step_keeps_the_float_state(mesh8):
     assert bool(state.metrics.skipped)
     np.testing.assert_array_equal(after.bn.mean[...], mean)
     assert float(after.amax[...]) == amax
+
+
+def test_a_key_state_is_never_combined(mesh8):
+    step = jaxsync.train_step(loss_fn, optax.sgd(0.1), mesh8, "ddp",
+                              state_reduce={"amax": "max", "rngs.noise.key": "max"})  # fmt: skip
+    with pytest.raises(ValueError, match=r"PRNG key state `rngs.noise.key`"):
+        step(step.init(Net(nnx.Rngs(0))), batches(1)[0])

@@ -194,6 +194,12 @@ def state_rules(model: Any, rules: Mapping[str, str]) -> dict[str, str | None]:
     for path, var in nnx.to_flat_state(model.rest):
         name = ".".join(str(k) for k in path)
         rule = _declared(name, rules)
+        if rule is not None and _is_key(var):
+            raise ValueError(
+                f"jaxsync.train_step: `state_reduce` gives the PRNG key state `{name}` the "
+                f"rule {rule!r}; keys are never combined (each piece keeps the step's key, "
+                "and its RngCount advances): drop it from `state_reduce`."
+            )
         if rule is None:
             dtype = jnp.dtype(var.dtype) if not _is_key(var) else None
             if isinstance(var, nnx.BatchStat):

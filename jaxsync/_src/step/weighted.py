@@ -47,7 +47,10 @@ def weighted_loss(
       sum_fn: ``sum_fn(params_or_model, batch) -> scalar``: the loss *summed* over the
         tokens of ``batch`` (padding masked out).
       weight_fn: ``weight_fn(batch) -> scalar``: their weight (the count of real
-        tokens); it must not depend on the params.
+        tokens) in the rows it is given; it must not depend on the params, and must
+        depend on the batch: a constant (the global token count) is refused, as the
+        step sums it over every device and microbatch. A global batch whose weight is 0
+        (all padding) is skipped as a non-finite step, never counted.
 
     Example:
       >>> loss_fn = jaxsync.weighted_loss(
