@@ -40,6 +40,7 @@ def loss_with_aux(params, batch):
         "loss": loss,  # float: a mean
         "max_x": jnp.max(x),  # declared "max"
         "x_sum": jnp.sum(x),  # declared "sum"
+        "const": np.full((3,), 0.5, np.float32),  # a numpy constant: a float, a mean
     }
 
 
@@ -57,6 +58,7 @@ def check_aux(aux, want):
     np.testing.assert_array_equal(aux["cls"], want["cls"])
     assert aux["cls"].dtype == want["cls"].dtype
     assert int(aux["rows"]) == ROWS
+    np.testing.assert_array_equal(aux["const"], want["const"])
     assert aux["big"].dtype == jnp.bool_ and bool(aux["big"]) == bool(want["big"])
     assert not bool(aux["never"])
     np.testing.assert_allclose(aux["loss"], want["loss"], rtol=1e-5)

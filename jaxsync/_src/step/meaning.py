@@ -87,7 +87,9 @@ def check_aux(aux: PyTree) -> PyTree:
 
     def one(path: Any, x: Any) -> Any:
         name = param_name(path)
-        if isinstance(x, (bool, int, float, np.number, np.bool_)):
+        if isinstance(x, (bool, int, float, np.number, np.bool_)) or (
+            isinstance(x, np.ndarray) and x.dtype != np.dtype(object)
+        ):
             return jnp.asarray(x)
         dtype = getattr(x, "dtype", None)
         if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
