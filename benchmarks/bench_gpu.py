@@ -41,8 +41,12 @@ AdamW, against a bf16 reduce-scatter and all-gather of the params) over the step
 on both readings; the share of the step priced by XLA's own cost model (the pricing
 twin leaves almost nothing to the roofline); bytes each GPU sends per step (ring
 algorithms) against the ring bound of an fp32 all-reduce of the gradients,
-2S(N-1)/N; arguments and temporaries per GPU, and whether their sum fits the GPU's
-memory. Each method is compiled twice: with XLA's defaults and with the collective
+2S(N-1)/N; arguments and temporaries per GPU, their sum against the baseline's
+(XLA's buffer assignment: exact), and whether it fits the GPU's memory; the bytes
+each GPU's kernels read and write per step (:func:`jaxsync.hbm_bytes`: loop bodies
+per iteration, collectives excluded; exact for the program) against the
+baseline's. The bound prices plain AdamW (clipping is one more elementwise pass).
+Each method is compiled twice: with XLA's defaults and with the collective
 flags of JAX's GPU performance guide (:data:`jaxsync.GPU_PERFORMANCE_OPTIONS`).
 """
 
@@ -278,6 +282,7 @@ def jaxsync_cases(cfg, mesh, tokens) -> list[Case]:
         ("jaxsync_ddp_bf16rs", "ddp", F32, {"reduce_dtype": BF16}, None),
         ("jaxsync_zero", "zero", BF16, {}, None),
         ("jaxsync_zero_bf16rs", "zero", BF16, {"reduce_dtype": BF16}, None),
+        ("jaxsync_zero_reshard", "zero", BF16, {"reshard_after_forward": True}, None),
         ("jaxsync_fsdp", "fsdp", F32, {"policy": policy}, None),
         ("jaxsync_fsdp_bf16rs", "fsdp", F32, {"policy": bf16rs}, None),
         ("jaxsync_fsdp_keep", "fsdp", F32, {"policy": policy}, keep),
@@ -306,8 +311,20 @@ def ring_bytes(report: jaxsync.ScheduleReport, n: int) -> float:
 
 REFERENCE = {"jaxsync_ddp": "replicated", "jaxsync_ddp_bf16rs": "replicated",
              "jaxsync_zero": "gspmd_zero1", "jaxsync_zero_bf16rs": "gspmd_zero1",
+             "jaxsync_zero_reshard": "gspmd_zero1",
              "jaxsync_fsdp": "gspmd_fsdp", "jaxsync_fsdp_bf16rs": "gspmd_fsdp",
              "jaxsync_fsdp_keep": "gspmd_fsdp"}  # fmt: skip
+
+
+def ref_name(name: str, reports: dict) -> str:
+    """The baseline a method is read against (a 2-D mesh's DDP: GSPMD's data parallel)."""
+    ref = REFERENCE.get(name, "")
+    return ref if ref in reports else ("gspmd_ddp" if name.startswith("jaxsync_ddp") else "")
+
+
+def held(report: jaxsync.ScheduleReport) -> int:
+    """Arguments + temporaries per GPU: what the step holds at once."""
+    return report.memory["arguments"] + report.memory["temps"]
 
 
 def main() -> None:
@@ -364,7 +381,7 @@ def main() -> None:
         if args.tp == 1:  # the data-parallel bound: one GPU's rows alone + 1/N of AdamW
             one = jax.ShapeDtypeStruct((rows, seq + 1), jnp.int32)
             bound = jaxsync.communication_bound(
-                loss_fn(cfg), param_shapes(cfg, BF16), one, clipped(), mesh, options=options
+                loss_fn(cfg), param_shapes(cfg, BF16), one, tx(), mesh, options=options
             )
             lines += [f"{flag_name}: {bound}", ""]
             print(f"  [{flag_name}] {bound}", flush=True)
@@ -377,12 +394,11 @@ def main() -> None:
                   f"{reports[case.name].step_us / 1e3:.2f} ms", flush=True)  # fmt: skip
         head = ["method", "step ms", "vs ref", "timeline ms", "vs ref", "exposed %",
                 "of bound", "of bound (timeline)", "XLA-priced", "sent / ring bound",
-                "args MiB", "temps MiB", "fits"]  # fmt: skip
+                "args MiB", "temps MiB", "vs ref", "fits", "HBM GB", "vs ref"]  # fmt: skip
         rows_out = []
+        traffic = {name: jaxsync.hbm_bytes(r.hlo_text).total for name, r in reports.items()}
         for name, r in reports.items():
-            ref = reports.get(REFERENCE.get(name, "")) or reports.get(
-                "gspmd_ddp" if name.startswith("jaxsync_ddp") else ""
-            )
+            ref = reports.get(ref_name(name, reports))
             rows_out.append([
                 name, f"{r.step_us / 1e3:.2f}",
                 f"{r.step_us / ref.step_us:.2f}x" if ref else "",
@@ -393,7 +409,10 @@ def main() -> None:
                 f"{bound.efficiency(r, 'timeline'):.0%}" if bound else "",
                 f"{r.xla_share:.1%}", f"{ring_bytes(r, n) / ring:.2f}",
                 f"{r.memory['arguments'] / 2**20:.0f}", f"{r.memory['temps'] / 2**20:.0f}",
+                f"{held(r) / held(ref):.2f}x" if ref else "",
                 "yes" if r.memory["peak"] <= gpu.memory_bytes else "**no**",
+                f"{traffic[name] / 1e9:.1f}",
+                f"{traffic[name] / traffic[ref_name(name, reports)]:.2f}x" if ref else "",
             ])  # fmt: skip
         label = "XLA defaults" if not options else "GPU performance flags"
         table = fmt_table(head, rows_out, 1)
