@@ -59,7 +59,7 @@ for i in range(8):
             os.kill(os.getpid(), signal.SIGKILL)
         if mode == "kill0" and rank == 0:
             os.kill(os.getpid(), signal.SIGKILL)
-        if mode == "hang" and rank == 1:
+        if mode == f"hang{{rank}}":
             time.sleep(600)
         if mode == "wait":
             open(os.path.join(out, f"waiting.{{rank}}"), "w").close()
@@ -284,10 +284,13 @@ def test_killing_the_launcher_ends_its_processes(tmp_path):
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(90)
-def test_the_launcher_blames_the_process_that_hangs(tmp_path):
-    # Both watchdogs end their process naming process 1; process 0 may exit first.
-    # Before: the launcher blamed whichever exit it saw first (in one run of two, 0).
-    out, _ = run_launched(tmp_path, "hang", extra={"JAXSYNC_HANG_TIMEOUT": "3"})
+@pytest.mark.parametrize("hung", [0, 1])
+def test_the_launcher_blames_the_process_that_hangs(tmp_path, hung):
+    # Both watchdogs end their process naming the hung one, and the launcher blames
+    # the hung one whichever exits first. Before: it blamed the first exit, which is
+    # process 1 whenever process 0 hangs (process 0 waits a little before it exits,
+    # to let the others read its coordination service once more).
+    out, _ = run_launched(tmp_path, f"hang{hung}", extra={"JAXSYNC_HANG_TIMEOUT": "3"})
     assert out.returncode == HANG_EXIT_CODE, (out.stdout[-3000:], out.stderr)
-    assert "jaxsync.launch: process 1 failed first" in out.stderr, out.stderr
-    assert "process 0 failed first" not in out.stderr, out.stderr
+    assert f"jaxsync.launch: process {hung} failed first" in out.stderr, out.stderr
+    assert f"process {1 - hung} failed first" not in out.stderr, out.stderr
