@@ -144,3 +144,73 @@ def test_a_key_state_is_never_combined(mesh8):
                               state_reduce={"amax": "max", "rngs.noise.key": "max"})  # fmt: skip
     with pytest.raises(ValueError, match=r"PRNG key state `rngs.noise.key`"):
         step(step.init(Net(nnx.Rngs(0))), batches(1)[0])
+
+
+# ------------------------------------------------------------------ flax linen
+def linen_model():
+    import flax.linen as nn
+
+    class LinenNet(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            seen = self.variable("counters", "seen", lambda: jnp.zeros((), jnp.int32))
+            if not self.is_initializing():
+                seen.value = seen.value + x.shape[0]
+            h = nn.BatchNorm(use_running_average=False, momentum=0.9)(x)
+            return nn.Dense(4)(h)
+
+    return LinenNet()
+
+
+def linen_loss(model):
+    def loss(variables, batch):
+        x, y = batch
+        out, new = model.apply(variables, x, mutable=["batch_stats", "counters"])
+        # (per-row aux of the input: BatchNorm's output depends on each device's rows)
+        return jnp.mean((out - y) ** 2), (new, {"x0": x[:, 0]})
+
+    return loss
+
+
+@pytest.mark.parametrize(("mode", "k"), [("zero", 1), ("ddp", 2), ("fsdp", 4)])
+def test_linen_collections_are_the_one_device_state(mesh8, mode, k):
+    """A linen model's mutable collections, given to ``init(params, model_state=...)``:
+    ``batch_stats`` a mean over the pieces (exact for the running mean), an int
+    collection a counter; the per-row aux the global rows."""
+    model, bs = linen_model(), batches()
+    variables = model.init(jax.random.PRNGKey(0), bs[0][0])
+    params = variables["params"]
+    state_vars = {k: v for k, v in variables.items() if k != "params"}
+    step = jaxsync.train_step(linen_loss(model), optax.sgd(0.1), mesh8, mode, microbatches=k,
+                              has_aux=True)  # fmt: skip
+    state = step.init(params, model_state=state_vars)
+    # One device, the global batches, plain optax SGD.
+    p, rest, opt = params, state_vars, optax.sgd(0.1)
+    ostate = opt.init(p)
+    for b in bs:
+        (_, (rest_new, want_aux)), g = jax.value_and_grad(
+            lambda p, rest=rest, b=b: linen_loss(model)({"params": p, **rest}, b), has_aux=True
+        )(p)
+        p = optax.apply_updates(p, opt.update(g, ostate, p)[0])
+        state, (_, aux) = step(state, b)
+        np.testing.assert_array_equal(aux["x0"], want_aux["x0"])
+        rest = rest_new
+    got = state.model_state
+    assert int(got["counters"]["seen"]) == int(rest["counters"]["seen"]) == 2 * ROWS
+    np.testing.assert_allclose(
+        got["batch_stats"]["BatchNorm_0"]["mean"], rest["batch_stats"]["BatchNorm_0"]["mean"],
+        rtol=1e-5, atol=1e-6,
+    )  # fmt: skip
+
+
+def test_linen_collections_are_checked(mesh8):
+    model = linen_model()
+    variables = model.init(jax.random.PRNGKey(0), batches(1)[0][0])
+    step = jaxsync.train_step(lambda v, b: jnp.zeros(()), optax.sgd(0.1), mesh8)
+    with pytest.raises(ValueError, match="'params' collection"):
+        step.init(variables["params"], model_state=dict(variables))
+    with pytest.raises(TypeError, match="non-empty mapping"):
+        step.init(variables["params"], model_state=[1])
+    state = step.init(variables["params"], model_state={"batch_stats": variables["batch_stats"]})
+    with pytest.raises(ValueError, match=r"returns `\(loss, new_collections\)`"):
+        step(state, batches(1)[0])

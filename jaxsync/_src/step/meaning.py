@@ -185,11 +185,20 @@ def combine(x: jax.Array, rule: str, weight: Any, axes: tuple[str, ...]) -> jax.
 
 
 # ---------------------------------------------------------------- model state
-def state_rules(model: Any, rules: Mapping[str, str]) -> dict[str, str | None]:
+def state_rules(
+    model: Any, rules: Mapping[str, str], model_state: PyTree = None
+) -> dict[str, str | None]:
     """Per dotted model-state name: the declared rule, else the one its Variable
-    type implies (None: keep only if it is the same on every device)."""
+    type (an NNX module) or its collection (linen: ``batch_stats``) implies (None:
+    keep only if it is the same on every device)."""
     if model is None:
-        return {}
+        from .models.collections import collection_rule
+
+        leaves = jax.tree_util.tree_flatten_with_path(model_state or {})[0]
+        names = [(param_name(p), x.dtype) for p, x in leaves]
+        out = {n: _declared(n, rules) or collection_rule(n, d) for n, d in names}
+        _unused(list(out), rules, "state_reduce", "model state")
+        return out
     from flax import nnx
 
     out: dict[str, str | None] = {}
@@ -222,6 +231,8 @@ def _is_key(var: Any) -> bool:
 
 
 def _kind(model: Any, name: str) -> str:
+    if model is None:
+        return f"in linen collection {name.split('.')[0]!r}"
     from flax import nnx
 
     for path, var in nnx.to_flat_state(model.rest):

@@ -20,6 +20,7 @@ from ..core.validate import check_loss
 from ..optim.loss_scale import active_scale
 from ..sync.views import is_view, trace_views
 from .meaning import check_aux, piece_rows, reduce_aux, reduce_state, stack_one, state_rules
+from .models import collections
 from .models.nnx_bridge import ModelDef
 from .modes import deterministic_of
 from .train_state import GuardState, TrainState, guarded_update
@@ -58,7 +59,8 @@ def loss_of(
     cfg: Any, plan: Plan, state: TrainState, batch: Any
 ) -> Callable[[Any, Any], Any]:
     """``(params view, microbatch) -> (scaled local loss, model state after the call)``,
-    merging an NNX module if any (the model state of a pytree loss is ``{}``).
+    merging an NNX module if any (the model state of a pytree loss is ``{}``, or the
+    linen collections given to ``init``: :mod:`models.collections`).
     ``batch`` is this device's rows (all microbatches): a :func:`jaxsync.weighted_loss`
     is normalized by the weight of the global batch they are part of."""
     scale = scale_of(cfg, state)
@@ -67,7 +69,9 @@ def loss_of(
 
     def loss(params: Any, batch: Any) -> tuple[jax.Array, Any]:
         with trace_views():
-            if plan.model is None:
+            if plan.model is None and state.model_state:  # linen collections
+                out, rest = collections.call(fn, params, state.model_state, batch, cfg.has_aux)
+            elif plan.model is None:
                 out, rest = fn(params, batch), state.model_state
             else:
                 plain, views = split_views(params, cfg.stacked, plan.template)
@@ -155,7 +159,7 @@ def model_state_of(model: Any) -> Any:
 def settle(cfg: Any, plan: Plan, rest: LossAux, state: TrainState, finite: jax.Array) -> Any:
     """The model state after a step, the same on every device: each piece's new state
     combined by its rule (:func:`meaning.reduce_state`)."""
-    rules = state_rules(plan.model, cfg.state_reduce)
+    rules = state_rules(plan.model, cfg.state_reduce, state.model_state)
     return reduce_state(
         rest.model_state, state.model_state, finite, cfg.axis_name, rules, plan.model
     )

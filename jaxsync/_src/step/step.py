@@ -50,6 +50,7 @@ from .checks import (
 from .held import whole_params
 from .make import distinct, make_state, replicated_copy
 from .models import linen
+from .models.collections import check_collections
 from .models.nnx_bridge import is_graphdef, is_module, merge_split, split_model
 from .modes import DDP, Mode, deterministic_of
 from .parts import Plan
@@ -87,15 +88,18 @@ class TrainStep:
     _stepped: list[bool] = dataclasses.field(default_factory=list, repr=False)
 
     # ------------------------------------------------------------------ init
-    def init(self, params: Any, *nnx_states: Any) -> TrainState:
+    def init(self, params: Any, *nnx_states: Any, model_state: Any = None) -> TrainState:
         """The initial global state from ``params`` (a pytree of arrays) or an ``nnx.Module``.
 
         A module (or ``graphdef, *states`` from ``nnx.split``) is split into its
         ``nnx.Param`` values (trained) and the rest of its state
         (``state.model_state``, kept as the model updates it); the loss function
-        then receives the merged module.
+        then receives the merged module. A flax linen model's mutable collections go
+        in ``model_state`` (``{"batch_stats": variables["batch_stats"]}``): the loss then
+        receives ``{"params": params, **collections}`` and returns ``(loss,
+        new_collections)`` (with ``has_aux``: ``(loss, (new_collections, aux))``).
         """
-        model, params, rest = self._split(params, nnx_states, "TrainStep.init")
+        model, params, rest = self._split(params, nnx_states, "TrainStep.init", model_state)
         check_processes_at_init(self, params, rest)
         # Copies: the step donates the state, which must never delete the caller's
         # arrays (or the module's, for an nnx.Module). Params the compiler shards
@@ -111,7 +115,7 @@ class TrainStep:
         handed.note(self, state)
         return state
 
-    def abstract_state(self, params: Any, *nnx_states: Any) -> TrainState:
+    def abstract_state(self, params: Any, *nnx_states: Any, model_state: Any = None) -> TrainState:
         """The state ``init`` would return, as ``jax.ShapeDtypeStruct``s with shardings.
 
         ``params`` may hold ``jax.ShapeDtypeStruct`` leaves (or be an abstract
@@ -120,7 +124,9 @@ class TrainStep:
         large for this machine can be lowered with :meth:`lower`, compiled, and
         read (:func:`jaxsync.schedule_report`, ``memory_analysis()``).
         """
-        model, params, rest = self._split(params, nnx_states, "TrainStep.abstract_state")
+        model, params, rest = self._split(
+            params, nnx_states, "TrainStep.abstract_state", model_state
+        )
         built: dict[str, Plan] = {}
         layout = spec_layout(self, params)  # from the shardings, before tracing drops them
 
@@ -139,7 +145,9 @@ class TrainStep:
         self._register(state, plan)
         return state
 
-    def _split(self, params: Any, nnx_states: tuple, fn: str) -> tuple[Any, PyTree, PyTree]:
+    def _split(
+        self, params: Any, nnx_states: tuple, fn: str, model_state: Any = None
+    ) -> tuple[Any, PyTree, PyTree]:
         """``(model definition or None, params, rest of the model state)``, checked."""
         model, rest = None, {}
         if nnx_states or is_graphdef(params):
@@ -147,9 +155,16 @@ class TrainStep:
         if isinstance(params, FsdpShards):  # an FSDP state's params: no tree of the model's
             raise TypeError(NOT_PARAMS.format(fn=fn))
         if is_module(params):
+            if model_state is not None:
+                raise ValueError(
+                    f"{fn}: an nnx.Module carries its own state; `model_state` is for a "
+                    "flax linen model's mutable collections."
+                )
             model, params, rest = split_model(params)
         else:  # a pytree: linen's nn.with_partitioning boxes become placements
             params = linen.unbox(params, self.mesh, self.axis_name)
+            if model_state is not None:
+                rest = check_collections(model_state, fn)
         leaves = jax.tree_util.tree_flatten_with_path(params)[0]
         bad = [param_name(p) for p, x in leaves if not hasattr(x, "dtype")]
         if not leaves or bad:
