@@ -13,8 +13,8 @@ import jaxsync
 
 
 def test_names_the_largest_temporary_by_shape_size_and_operation():
-    # x @ x.T is [512, 512] f32 (1 MiB); its sine must be materialized for the
-    # second matmul: the one large temporary of this program.
+    # x @ x.T is [512, 512] f32 (1 MiB), and so is its sine, which the second matmul
+    # reads: the one large temporary of this program (XLA may write one over the other).
     x = jnp.ones((512, 256), jnp.float32)
     lowered = jax.jit(lambda x: jnp.sum(jnp.sin(x @ x.T) @ x)).lower(x)
     report = jaxsync.memory_report(lowered)
@@ -23,12 +23,15 @@ def test_names_the_largest_temporary_by_shape_size_and_operation():
     assert report.temps == stats.temp_size_in_bytes
     top = report.buffers[0]
     assert (top.bytes, top.shape, top.argument) == (512 * 512 * 4, "f32[512,512]", False)
-    assert top.made_by.endswith("sin")
+    assert top.made_by.split("/")[-1] in ("sin", "dot_general")
     (arg,) = [b for b in report.buffers if b.argument]
     assert (arg.bytes, arg.shape, arg.made_by) == (x.nbytes, "f32[512,256]", "x")
     assert report.peak == sum(b.bytes for b in report.buffers)
+    # The temporaries live at the peak are what XLA allocated for them (one buffer).
+    assert report.peak - report.arguments <= report.temps
     assert report.peak >= top.bytes + arg.bytes
-    assert "f32[512,512]" in report.table(1) and "2 more" in report.table(1)
+    assert "f32[512,512]" in report.table(1)
+    assert f"in {len(report.buffers) - 1} more" in report.table(1)
     assert sum(report.by_origin().values()) == report.peak
 
 
