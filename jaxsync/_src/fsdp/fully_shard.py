@@ -32,7 +32,7 @@ from ..layout.layout import Layout
 from ..layout.placement import normalize_stacked, stack_layers
 from ..layout.records import BufferKey
 from ..sync.views import GATHERED
-from .gather import MixedPrecision, cast_floats, gather_shard, reduce_shard
+from .gather import MixedPrecision, cast_floats, default_policy, gather_shard, reduce_shard
 from .grad import check_microbatches as check_microbatches
 from .grad import value_and_grad as _value_and_grad
 from .held import plain
@@ -375,7 +375,8 @@ def fully_shard(
       units: dotted name prefixes (``"embed"``, ``"blocks.0"``...); each param
         goes to the longest prefix of its name (:func:`jaxsync.param_name`).
       mesh: the mesh the step runs on.
-      policy: :class:`MixedPrecision` (default: fp32 everywhere).
+      policy: :class:`MixedPrecision` (default: the params' own float dtype when
+        they share one, else fp32; gradients reduced in fp32).
       reshard_after_forward: drop gathered params after each unit's forward and
         gather them again in the backward (less memory, one more all-gather).
       remat_policy: what a resharded unit keeps for its backward pass (default:
@@ -415,7 +416,7 @@ def fully_shard(
         params,
         axis_name=axis_name,
         units=units,
-        policy=policy or MixedPrecision(),
+        policy=policy or default_policy(params),
         reshard_after_forward=reshard_after_forward,
         replicate_axis=replicate_axis,
         num_shards=n,

@@ -22,6 +22,10 @@ PyTree = Any
 class MixedPrecision:
     """FSDP2's mixed-precision policy.
 
+    A model that states no policy gets :func:`default_policy`: its own float dtype
+    (fp32 when its params mix dtypes); fp32 compute for a bf16 model is a choice
+    to state, ``MixedPrecision(param_dtype=jnp.float32)``.
+
     Attributes:
       param_dtype: dtype the params are gathered in and computed with.
       reduce_dtype: dtype gradients are reduce-scattered (and all-reduced) in.
@@ -40,6 +44,21 @@ class MixedPrecision:
         check_float_dtype(self.reduce_dtype, "MixedPrecision.reduce_dtype")
         check_float_dtype(self.output_dtype, "MixedPrecision.output_dtype", allow_none=True)
         check_bool(self.cast_forward_inputs, "MixedPrecision.cast_forward_inputs")
+
+
+def default_policy(params: PyTree) -> MixedPrecision:
+    """The policy of a model that states none: gather and compute in the params' own
+    float dtype when they share one (a bf16 model runs in bf16 on its fp32 shards, as
+    ZeRO's bf16 params on their fp32 master; reduce in fp32), fp32 when they mix
+    dtypes. Gathering a bf16 model in fp32 would send twice the bytes and compute
+    in another precision than the same model under ZeRO or DDP."""
+    dtypes = {
+        jnp.dtype(x.dtype)
+        for x in jax.tree.leaves(params)
+        if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)
+    }
+    own = dtypes.pop() if len(dtypes) == 1 else jnp.dtype(jnp.float32)
+    return MixedPrecision(param_dtype=own)
 
 
 def cast_floats(tree: PyTree, dtype: Any) -> PyTree:
