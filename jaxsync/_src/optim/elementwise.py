@@ -81,6 +81,13 @@ GLOBAL_NORM_ON_SHARDS = (
     "`jaxsync.clip_by_global_norm(max_norm, axis_name=...)` instead, which sums the "
     "norm over the shards."
 )
+IN_MULTI_STEPS = (
+    "This optimizer is inside optax.MultiSteps: drop MultiSteps too, not only the clip "
+    "or mask (`clip_grad_norm=` beside MultiSteps would clip each microbatch's gradient "
+    "and is refused). With `jaxsync.train_step` write `tx=<the optimizer MultiSteps "
+    "wraps, no clip>, microbatches=k, clip_grad_norm=max_norm` and a batch k times as "
+    "large: it clips the mean of the k microbatch gradients, as MultiSteps did."
+)
 PROBE_FAILED = (
     "could not probe the optimizer for {what} on a tree shaped like the params: it "
     "raised {error!r}. Check that it accepts these params, or pass "
@@ -385,7 +392,11 @@ def check_elementwise(
         # It applies its inner optimizer to the gradients it accumulated: elementwise
         # exactly when the inner one is. Probed whole, its first k-1 steps give empty
         # updates on both sides and a mask or a global-norm clip inside went unseen.
-        tx = multi.inner_opt
+        try:
+            check_elementwise(multi.inner_opt, params, what, units=units, axes=axes)
+        except ValueError as e:  # the fix must not leave a clip beside MultiSteps
+            raise ValueError(f"{e} {IN_MULTI_STEPS}") from None
+        return
     if known_elementwise(tx):
         return
     path_leaves, treedef = jax.tree_util.tree_flatten_with_path(params)

@@ -148,7 +148,7 @@ def train_step(
             "drop `stacked`"
         )  # fmt: skip
         raise ValueError(f"`deterministic` does not support {what}; {fix}.")
-    _warn_multi_steps(tx, microbatches)
+    _check_multi_steps(tx, clip_grad_norm)
     if labels is not None and mode.name == "ddp":  # a replicated optimizer: optax's own way
         tx = labeled_tx(tx, labels, normalize_stacked(stacked))
     return TrainStep(
@@ -171,9 +171,25 @@ def train_step(
 
 MULTI_STEPS = (
     "jaxsync.train_step: `tx` holds optax.MultiSteps, which accumulates gradients after "
-    "the step has synced them: every call communicates a whole gradient. Pass "
-    "`microbatches={k}` instead (and a batch {k} times as large): the step accumulates "
-    "locally and syncs once."
+    "the step has synced them: every call communicates a whole gradient, and "
+    "`state.step` counts calls (microbatches), not optimizer steps. Pass "
+    "`microbatches={k}` instead, with `tx` the optimizer MultiSteps wraps (without "
+    "MultiSteps) and a batch {k} times as large (the {k} batches MultiSteps accumulated, "
+    "one step): the step accumulates locally, syncs once and trains the same params. "
+    "A clip inside it becomes `clip_grad_norm=` (it clips the accumulated gradient, as "
+    "MultiSteps' inner clip did); with a jaxsync.weighted_loss, "
+    "`normalize='microbatch'` keeps MultiSteps' mean of microbatch means (docs/porting.md)."
+)
+MULTI_STEPS_CLIP = (
+    "jaxsync.train_step: `tx` holds optax.MultiSteps (every {k} calls) and "
+    "`clip_grad_norm={clip}` is given: the step clips each call's gradient, one "
+    "microbatch's, before MultiSteps accumulates it, and `state.step` counts microbatches, "
+    "so this does not train what `optax.MultiSteps(optax.chain("
+    "optax.clip_by_global_norm({clip}), inner), {k})` trains (the clip of the mean of "
+    "{k} microbatch gradients). Drop MultiSteps and write "
+    "`jaxsync.train_step(loss_fn, inner, mesh, ..., microbatches={k}, "
+    "clip_grad_norm={clip})`, with `inner` the optimizer MultiSteps wraps (no clip in it) "
+    "and a batch {k} times as large (the {k} batches MultiSteps accumulated, one step)."
 )
 
 
@@ -181,16 +197,28 @@ class MultiStepsWarning(UserWarning):
     """``optax.MultiSteps`` inside a step's ``tx`` syncs every microbatch."""
 
 
-def _warn_multi_steps(tx: Any, microbatches: int) -> None:
+def _multi_steps_k(tx: Any) -> tuple[bool, Any]:
+    """Whether ``tx`` (or a label's optimizer) is an ``optax.MultiSteps``, and its k
+    when it is a constant (else ``"k"``)."""
     for t in tx.values() if isinstance(tx, Mapping) else (tx,):
         found = multi_steps_of(t)
         if found is not None:
             try:  # the k it was built with, when it is a constant
-                k = int(found._every_k_schedule(0))
+                return True, int(found._every_k_schedule(0))
             except Exception:
-                k = "k"
-            warnings.warn(MULTI_STEPS.format(k=k), MultiStepsWarning, stacklevel=3)
-            return
+                return True, "k"
+    return False, None
+
+
+def _check_multi_steps(tx: Any, clip_grad_norm: float | None) -> None:
+    """``clip_grad_norm`` beside ``MultiSteps`` is refused (it would clip every
+    microbatch); ``MultiSteps`` alone trains right but syncs every call: a warning."""
+    found, k = _multi_steps_k(tx)
+    if not found:
+        return
+    if clip_grad_norm is not None:
+        raise ValueError(MULTI_STEPS_CLIP.format(k=k, clip=clip_grad_norm))
+    warnings.warn(MULTI_STEPS.format(k=k), MultiStepsWarning, stacklevel=3)
 
 
 def _is_tx(tx: Any) -> bool:

@@ -1,0 +1,117 @@
+"""Gradient accumulation means what a ``MultiSteps`` trainer means (issue 41).
+
+A trainer's ``optax.MultiSteps(optax.chain(optax.clip_by_global_norm(c), opt), k)``,
+ported by following jaxsync's clip error alone (``clip_grad_norm=c`` beside
+``MultiSteps(opt, k)``), clipped every microbatch's gradient and counted microbatches
+in ``state.step``: 15% off on the params. It is refused, and every message's
+rewrite (``microbatches=k``, ``clip_grad_norm=c``) trains what the trainer trains.
+SGD, so a wrong scale shows.
+"""
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from helpers import make_batches, mlp_loss, mlp_params
+
+import jaxsync
+
+K, CALL_ROWS, CLIP, LR = 2, 16, 0.05, 0.5
+
+
+def trainer_batches(steps=2):
+    """The batches a MultiSteps trainer takes, one per call: ``steps * K`` of them."""
+    xs, ys = make_batches(jax.random.PRNGKey(3), steps=steps * K, batch=CALL_ROWS)
+    return [(xs[i], ys[i]) for i in range(steps * K)]
+
+
+def one_device(params, calls):
+    """The trainer: MultiSteps with the clip inside, on one device."""
+    tx = optax.MultiSteps(optax.chain(optax.clip_by_global_norm(CLIP), optax.sgd(LR)), K)
+    opt = tx.init(params)
+    for b in calls:
+        g = jax.grad(mlp_loss)(params, b)
+        updates, opt = tx.update(g, opt, params)
+        params = optax.apply_updates(params, updates)
+    return params
+
+
+def step_batches(calls):
+    """One jaxsync batch per K trainer calls: the K batches, row after row."""
+    return [
+        tuple(np.concatenate([c[j] for c in calls[i : i + K]]) for j in range(2))
+        for i in range(0, len(calls), K)
+    ]
+
+
+def gap(a, b):
+    return max(
+        float(jnp.max(jnp.abs(x - y)) / jnp.max(jnp.abs(y)))
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
+    )
+
+
+@pytest.mark.parametrize("mode", ["zero", "ddp"])
+def test_multi_steps_beside_clip_grad_norm_is_refused_with_the_rewrite(mesh8, mode):
+    """Before: no error; the params ended 0.8% (max relative) from the trainer's and
+    ``state.step`` read 4 for 2 optimizer steps."""
+    with pytest.raises(ValueError, match=r"microbatches=2, clip_grad_norm=0\.05\)") as e:
+        jaxsync.train_step(
+            mlp_loss, optax.MultiSteps(optax.sgd(LR), K), mesh8, mode, clip_grad_norm=CLIP
+        )
+    assert "clips each call's gradient" in str(e.value)
+    with pytest.raises(ValueError, match=r"microbatches=2"):  # a label's optimizer too
+        jaxsync.train_step(
+            mlp_loss, {"a": optax.MultiSteps(optax.sgd(LR), K)}, mesh8, mode,
+            clip_grad_norm=CLIP, labels=lambda p: jax.tree.map(lambda _: "a", p),
+        )  # fmt: skip
+
+
+@pytest.mark.parametrize("mode", ["zero", "fsdp"])
+def test_the_rewrite_trains_what_the_trainer_trains(mesh8, mode):
+    """``microbatches=K, clip_grad_norm=CLIP``, the inner optimizer, a K times larger
+    batch: the params of the one-device MultiSteps trainer, one step per K calls."""
+    params, calls = mlp_params(jax.random.PRNGKey(0)), trainer_batches()
+    want = one_device(params, calls)
+    step = jaxsync.train_step(
+        mlp_loss, optax.sgd(LR), mesh8, mode, microbatches=K, clip_grad_norm=CLIP
+    )
+    state = step.init(params)
+    for b in step_batches(calls):
+        state, _ = step(state, b)
+    assert int(state.step) == len(calls) // K
+    assert float(state.metrics.grad_norm) > CLIP  # the clip acts
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6),
+        step.params(state), want,
+    )  # fmt: skip
+    # The unclipped run is far away, so the clip is what the comparison checks.
+    free = jaxsync.train_step(mlp_loss, optax.sgd(LR), mesh8, mode, microbatches=K)
+    s = free.init(params)
+    for b in step_batches(calls):
+        s, _ = free(s, b)
+    assert gap(free.params(s), want) > 1e-2
+
+
+def test_the_clip_error_inside_multi_steps_points_past_multi_steps(mesh8):
+    """The sharded optimizer's clip error, for a clip inside MultiSteps, names the
+    rewrite that drops MultiSteps too (it used to say only `clip_grad_norm=`)."""
+    tx = optax.MultiSteps(optax.chain(optax.clip_by_global_norm(CLIP), optax.sgd(LR)), K)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", jaxsync.MultiStepsWarning)
+        step = jaxsync.train_step(mlp_loss, tx, mesh8, "zero")
+    with pytest.raises(ValueError, match="clip_by_global_norm") as e:
+        step.init(mlp_params(jax.random.PRNGKey(0)))
+    assert "drop MultiSteps too" in str(e.value)
+    assert "microbatches=k, clip_grad_norm=max_norm" in str(e.value)
+
+
+def test_the_multi_steps_warning_names_the_whole_rewrite(mesh8):
+    with pytest.warns(jaxsync.MultiStepsWarning) as seen:
+        jaxsync.train_step(mlp_loss, optax.MultiSteps(optax.sgd(LR), K), mesh8, "ddp")
+    text = str(seen[0].message)
+    for part in ("`microbatches=2`", "`clip_grad_norm=`", "state.step", "normalize='microbatch'"):
+        assert part in text, part
