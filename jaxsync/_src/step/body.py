@@ -12,12 +12,14 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 
 from ..deterministic.exact import nonfinite_flags
 from ..fsdp.grad import split_microbatches
 from ..fsdp.grad import value_and_grad as fsdp_value_and_grad
 from ..fsdp.held import FsdpShards, plain
+from ..optim.master import MasterState
 from ..sync.grad_sync import all_reduce_grads, value_and_grad
 from ..sync.reduction import BUCKETED
 from ..sync.scan_sync import DataParallel, sync_value_and_grad
@@ -109,8 +111,14 @@ def ddp_body(cfg: Any, plan: Plan, state: TrainState, batch: Any) -> tuple[Train
     (loss, rest), local = grads_of(cfg, plan, state, batch, sync)
     grads = local
     if sync is None:
+        # With an fp32 master (bf16/fp16 params), keep the reduced gradients in the
+        # reduction's dtype, as ZeRO's shards do, instead of rounding them back to
+        # the params' dtype (the cast fuses into the bucket's pack). The in-loop sync
+        # of stacked groups hands back cotangents in the params' dtype.
+        widen = isinstance(state.opt_state, MasterState) and mode.deterministic is None
         grads = all_reduce_grads(
-            local, axis_name=cfg.axis_name, bucket_size=mode.bucket_size,
+            widened(local, mode.reduce_dtype) if widen else local,
+            axis_name=cfg.axis_name, bucket_size=mode.bucket_size,
             reduce_dtype=mode.reduce_dtype, rules=mode.rules, deterministic=mode.deterministic,
         )  # fmt: skip
     # The statistics of the reduced grads before unscaling (read back out of the
@@ -123,6 +131,21 @@ def ddp_body(cfg: Any, plan: Plan, state: TrainState, batch: Any) -> tuple[Train
     units = nonfinite_flags(local) if mode.deterministic is not None else None
     flags = grads if units is not None else local
     return finish(cfg, plan, state, grads, flags, stats, loss, rest, batch, units)
+
+
+def widened(grads: Any, dtype: Any) -> Any:
+    """Float leaves narrower than ``dtype`` cast to it (None: as they are)."""
+    if dtype is None:
+        return grads
+    wide = jnp.dtype(dtype)
+    return jax.tree.map(
+        lambda g: (
+            g.astype(wide)
+            if jnp.issubdtype(g.dtype, jnp.floating) and g.dtype.itemsize < wide.itemsize
+            else g
+        ),
+        grads,
+    )
 
 
 def fsdp_body(cfg: Any, plan: Plan, state: TrainState, batch: Any) -> tuple[TrainState, Any]:

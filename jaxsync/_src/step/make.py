@@ -24,6 +24,7 @@ from ..core.specs import full_spec
 from ..fsdp.fully_shard import fully_shard
 from ..fsdp.held import FsdpShards
 from ..optim.loss_scale import init_loss_scale
+from ..optim.master import needs_master, with_fp32_master
 from ..optim.optimizer import distributed_optimizer
 from ..optim.state import initial_metrics
 from .held import held_groups, strip
@@ -42,7 +43,9 @@ def make_state(
     with ``layout`` (params sharded over other axes) the 2-D state of :mod:`two_d.plan`.
     ``step`` is the :class:`~jaxsync.TrainStep` (its mesh, optimizer and options)."""
     if layout is not None:
-        state, specs, tx, dims = make_2d_state(step, params, rest, layout)
+        master = isinstance(step.mode, DDP) and needs_master(params)
+        tx = with_fp32_master(step.tx) if master else step.tx
+        state, specs, tx, dims = make_2d_state(step, params, rest, layout, tx)
         return state, Plan(model, template_of(params), tx, None, specs, None, dims)  # type: ignore[arg-type]
     mesh, axes, rep = step.mesh, step.axis_name, NamedSharding(step.mesh, P())
     n_leaves = len(jax.tree.leaves(params))
@@ -61,7 +64,9 @@ def make_state(
         held, n_flags = strip(params, groups), n_leaves
         param_specs = jax.tree.map(lambda _: P(), held)
     elif isinstance(mode, DDP):
-        init = jax.shard_map(step.tx.init, mesh=mesh, in_specs=(P(),), out_specs=P())
+        # fp32 master weights for bf16/fp16 params (optim/master.py), as ZeRO keeps.
+        tx = with_fp32_master(step.tx) if needs_master(params) else step.tx
+        init = jax.shard_map(tx.init, mesh=mesh, in_specs=(P(),), out_specs=P())
         opt_state = jax.jit(init)(params)
         opt_specs = jax.tree.map(lambda _: P(), opt_state)
         param_specs, held, n_flags = jax.tree.map(lambda _: P(), params), params, n_leaves

@@ -36,6 +36,7 @@ from ..fsdp.held import NOT_PARAMS, FsdpShards
 from ..multihost import watchdog
 from ..multihost.data import place_batch
 from ..optim.loss_scale import LossScale
+from ..optim.master import MasterState
 from ..optim.portable import signature
 from . import handed, skips
 from .body import per_device
@@ -54,6 +55,7 @@ from .models.collections import check_collections
 from .models.nnx_bridge import is_graphdef, is_module, merge_split, split_model
 from .modes import DDP, Mode, deterministic_of
 from .parts import Plan
+from .rng import KeyKind, check_batch_keys, check_key, keyed
 from .train_state import TrainState
 from .two_d.plan import project, spec_layout, spec_master, spec_params
 from .xla_options import step_compiler_options
@@ -86,6 +88,7 @@ class TrainStep:
     state_reduce: dict[str, str] = dataclasses.field(default_factory=dict)
     _plans: dict[Any, Plan] = dataclasses.field(default_factory=dict, repr=False)
     _stepped: list[bool] = dataclasses.field(default_factory=list, repr=False)
+    _keyed: dict[Any, Callable[..., Any]] = dataclasses.field(default_factory=dict, repr=False)
 
     # ------------------------------------------------------------------ init
     def init(self, params: Any, *nnx_states: Any, model_state: Any = None) -> TrainState:
@@ -182,24 +185,46 @@ class TrainStep:
         self._plans[signature(state)] = plan
 
     # ------------------------------------------------------------------ step
-    def __call__(self, state: TrainState, batch: PyTree) -> tuple[TrainState, jax.Array]:
-        """One step on the global ``batch`` (host arrays are fine): ``(state, loss)``."""
+    def __call__(
+        self, state: TrainState, batch: PyTree, *, key: Any = None
+    ) -> tuple[TrainState, jax.Array]:
+        """One step on the global ``batch`` (host arrays are fine): ``(state, loss)``.
+
+        ``key``: a PRNG key for this step (split a new one each step). Each piece of
+        the global batch (a device's microbatch; a deterministic unit) gets its own,
+        ``jax.random.fold_in(key, piece)``, as ``loss_fn``'s third argument:
+        ``loss_fn(params, batch, key)`` (see docs/train-step.md, "Random numbers").
+        """
         check_state_alive(state, "TrainStep.__call__")
         check_state_mesh(state, self.mesh, "TrainStep.__call__")
         plan = self._plan(state, "TrainStep.__call__")
+        fn = self._fn(plan, key)
+        check_batch_keys(batch)
         placed = self.place(batch)
         if not self._stepped:  # once: every process takes its first step together
             check_processes_first_step(self, state, batch)
             self._stepped.append(True)
         skips.watch(self, state)
-        out = watchdog.run_step(plan.fn, state, placed)  # marks the step for a hang's report
+        out = watchdog.run_step(fn, state, placed)  # marks the step for a hang's report
         handed.note(self, out[0])
         return out
 
-    def lower(self, state: TrainState, batch: PyTree) -> Any:
+    def lower(self, state: TrainState, batch: PyTree, *, key: Any = None) -> Any:
         """The step lowered for ``state`` and ``batch`` (``.compile()``, then e.g.
         :func:`jaxsync.overlap_report` or ``.memory_analysis()``)."""
-        return self._plan(state, "TrainStep.lower").fn.lower(state, self.place(batch))
+        fn = self._fn(self._plan(state, "TrainStep.lower"), key)
+        return fn.lower(state, self.place(batch))
+
+    def _fn(self, plan: Plan, key: Any) -> Callable[[Any, Any], Any]:
+        """The step's ``fn(state, batch)``: the plan's, or with ``key``, the keyed one."""
+        if key is None:
+            return plan.fn
+        data, kind = check_key(key, self.loss_fn)
+        cache = (id(plan), kind)
+        if cache not in self._keyed:
+            self._keyed[cache] = self._build(plan, kind)
+        jitted = self._keyed[cache]
+        return lambda state, batch: jitted(state, batch, data)
 
     def place(self, batch: PyTree) -> PyTree:
         """``batch`` sharded over the data axes (rows per device must split into
@@ -226,20 +251,25 @@ class TrainStep:
             )
         return plan
 
-    def _build(self, plan: Plan) -> Callable[..., Any]:
+    def _build(self, plan: Plan, kind: KeyKind | None = None) -> Callable[..., Any]:
+        """The jitted step ``fn(state, batch)``; with ``kind``, ``fn(state, batch, key
+        data)`` (the step's key, replicated: :mod:`rng` folds each piece's)."""
         axes = self.axis_name
         data = axes if len(axes) > 1 else axes[0]
         donate = (0,) if self.donate else ()
+        key_spec = () if kind is None else (P(),)
 
-        def step(state: TrainState, batch: Any) -> tuple[TrainState, Any]:
+        def step(state: TrainState, batch: Any, *key: Any) -> tuple[TrainState, Any]:
+            batch = keyed(self, plan, batch, key[0] if key else None, kind)
             return per_device(self, plan, state, batch)
 
         # The program's name in profiles, dumps and XLA's logs: jit_jaxsync_zero_step.
         step.__name__ = step.__qualname__ = f"jaxsync_{self.mode.name}_step"
         if plan.dims is None:
             body = jax.shard_map(
-                step, mesh=self.mesh, in_specs=(plan.specs, P(data)), out_specs=(plan.specs, P())
-            )
+                step, mesh=self.mesh, in_specs=(plan.specs, P(data), *key_spec),
+                out_specs=(plan.specs, P()),
+            )  # fmt: skip
             return jax.jit(
                 body, donate_argnums=donate,
                 compiler_options=step_compiler_options(self.mode.name, two_d=False),
@@ -250,12 +280,12 @@ class TrainStep:
         is_spec = lambda x: isinstance(x, P)  # noqa: E731
         local = jax.tree.map(lambda s: project(s, manual), plan.specs, is_leaf=is_spec)
         body = jax.shard_map(
-            step, mesh=self.mesh, in_specs=(local, P(data)), out_specs=(local, P()),
+            step, mesh=self.mesh, in_specs=(local, P(data), *key_spec), out_specs=(local, P()),
             axis_names=manual,
         )  # fmt: skip
         whole = jax.tree.map(lambda s: NamedSharding(self.mesh, s), plan.specs, is_leaf=is_spec)
         return jax.jit(
-            body, in_shardings=(whole, None), out_shardings=(whole, NamedSharding(self.mesh, P())),
+            body, in_shardings=(whole, None, *(None for _ in key_spec)), out_shardings=(whole, NamedSharding(self.mesh, P())),
             donate_argnums=donate,
             compiler_options=step_compiler_options(self.mode.name, two_d=True),
         )  # fmt: skip
@@ -308,8 +338,8 @@ class TrainStep:
         """The fp32 master weights, as a pytree shaped like the params.
 
         ``"zero"``: gathered from the distributed optimizer's shards; ``"fsdp"``:
-        the fp32 shards, gathered; ``"ddp"``: the params themselves in fp32 (DDP
-        keeps no separate master).
+        the fp32 shards, gathered; ``"ddp"``: the fp32 master its optimizer keeps
+        for bf16/fp16 params (for fp32 params, the params themselves).
         """
         plan = self._plan(state, "TrainStep.master")
         if plan.dims is not None:
@@ -317,6 +347,8 @@ class TrainStep:
         if plan.fs is not None:
             return plan.fs.unshard(state.params)
         if isinstance(self.mode, DDP):
+            if isinstance(state.opt_state, MasterState):
+                return state.opt_state.master
             return jax.tree.map(lambda x: x.astype(jnp.float32), state.params)
         master = plan.tx.to_portable(state.opt_state, plan.template, self.mesh)["master"]
         return jax.tree_util.tree_map_with_path(

@@ -35,6 +35,7 @@ from ...core.names import group_of, param_name
 from ...core.specs import entry_axes, full_spec, keep_axes
 from ...layout.ownership import WholeMatrices
 from ...optim.loss_scale import init_loss_scale
+from ...optim.master import MasterState
 from ...optim.state import initial_metrics
 from ..checks import labeled_tx
 from ..train_state import GuardState, TrainState
@@ -159,12 +160,13 @@ def _owned_names(cfg: Any, params: PyTree) -> frozenset[str]:
 
 
 def make_state(
-    cfg: Any, params: PyTree, rest: PyTree, layout: SpecLayout
+    cfg: Any, params: PyTree, rest: PyTree, layout: SpecLayout, tx: Any = None
 ) -> tuple[TrainState, TrainState, Any, SpecLayout]:
     """``(state, full specs, optimizer, layout)`` for compiler-sharded ``params``
-    (traceable: the shardings come from ``layout``)."""
+    (traceable: the shardings come from ``layout``); ``tx``: the optimizer to build
+    the state for (default ``cfg.tx``; DDP's over fp32 masters, optim/master.py)."""
     mesh, data = cfg.mesh, cfg.axis_name
-    tx = cfg.tx
+    tx = cfg.tx if tx is None else tx
     if isinstance(tx, Mapping):  # zero/fsdp parameter groups (ddp's tx is wrapped already)
         tx = labeled_tx(tx, cfg.labels, cfg.stacked)
     sharding = lambda spec: NamedSharding(mesh, spec)  # noqa: E731
@@ -243,6 +245,8 @@ def spec_params(cfg: Any, plan: Any, state: TrainState) -> PyTree:
 def spec_master(cfg: Any, plan: Any, state: TrainState) -> PyTree:
     """The fp32 master weights, whole, sharded like the params."""
     if cfg.mode.name == "ddp":
+        if isinstance(state.opt_state, MasterState):
+            return state.opt_state.master
         return jax.tree.map(lambda x: x.astype(jnp.float32), state.params)
     held = state.params if cfg.mode.name == "fsdp" else state.opt_state.master
     return _unsharded(cfg, plan, held, cast=False)
