@@ -23,6 +23,7 @@ from .meaning import check_aux, piece_rows, reduce_aux, reduce_state, stack_one,
 from .models import collections
 from .models.nnx_bridge import ModelDef
 from .modes import deterministic_of
+from .rng import fold_model_keys, keep_model_keys, piece_args, rng_key_paths, user_batch
 from .train_state import GuardState, TrainState, guarded_update
 from .weighted import piece_weight, weight_factor
 
@@ -55,29 +56,38 @@ class LossAux(NamedTuple):
     weight: Any = None
 
 
-def loss_of(
-    cfg: Any, plan: Plan, state: TrainState, batch: Any
-) -> Callable[[Any, Any], Any]:
+def loss_of(cfg: Any, plan: Plan, state: TrainState, batch: Any) -> Callable[[Any, Any], Any]:
     """``(params view, microbatch) -> (scaled local loss, model state after the call)``,
     merging an NNX module if any (the model state of a pytree loss is ``{}``, or the
     linen collections given to ``init``: :mod:`models.collections`).
     ``batch`` is this device's rows (all microbatches): a :func:`jaxsync.weighted_loss`
-    is normalized by the weight of the global batch they are part of."""
+    is normalized by the weight of the global batch they are part of. A
+    :class:`rng.Keyed` batch carries each piece's key (the loss's third argument) and
+    index (folded into an NNX module's ``nnx.Rngs`` keys): :mod:`rng`."""
     scale = scale_of(cfg, state)
-    factor = weight_factor(cfg.loss_fn, batch, cfg.axis_name, cfg.microbatches)
+    factor = weight_factor(cfg.loss_fn, user_batch(batch), cfg.axis_name, cfg.microbatches)
     fn = cfg.loss_fn if factor is None else cfg.loss_fn.sum_fn
+    key_paths = rng_key_paths(plan.model)
 
-    def loss(params: Any, batch: Any) -> tuple[jax.Array, Any]:
+    def loss(params: Any, piece: Any) -> tuple[jax.Array, Any]:
+        batch, pid, extra = piece_args(piece)
         with trace_views():
             if plan.model is None and state.model_state:  # linen collections
-                out, rest = collections.call(fn, params, state.model_state, batch, cfg.has_aux)
+                out, rest = collections.call(
+                    fn, params, state.model_state, batch, cfg.has_aux, *extra
+                )
             elif plan.model is None:
-                out, rest = fn(params, batch), state.model_state
+                out, rest = fn(params, batch, *extra), state.model_state
             else:
                 plain, views = split_views(params, cfg.stacked, plan.template)
-                model = plan.model.merge(plain, state.model_state, views)
-                out = fn(model, batch)
+                kept = state.model_state
+                if pid is not None:  # each piece draws its own streams
+                    kept = fold_model_keys(kept, key_paths, pid)
+                model = plan.model.merge(plain, kept, views)
+                out = fn(model, batch, *extra)
                 rest = model_state_of(model)
+                if pid is not None:  # the state keeps the stream's own key
+                    rest = keep_model_keys(rest, state.model_state, key_paths)
         user = None
         if cfg.has_aux:
             if not (isinstance(out, tuple) and len(out) == 2):
@@ -140,7 +150,7 @@ def outputs(cfg: Any, loss: jax.Array, rest: LossAux, state: TrainState, batch: 
     leaves = jax.tree.leaves(rest.user)
     if not leaves:
         return mean, rest.user
-    rows = piece_rows(batch, leaves[0].shape[0])
+    rows = piece_rows(user_batch(batch), leaves[0].shape[0])
     return mean, reduce_aux(rest.user, rest.weight, rows, cfg.axis_name, cfg.aux_reduce)
 
 

@@ -285,7 +285,8 @@ class TrainStep:
         )  # fmt: skip
         whole = jax.tree.map(lambda s: NamedSharding(self.mesh, s), plan.specs, is_leaf=is_spec)
         return jax.jit(
-            body, in_shardings=(whole, None, *(None for _ in key_spec)), out_shardings=(whole, NamedSharding(self.mesh, P())),
+            body, in_shardings=(whole, None, *(None for _ in key_spec)),
+            out_shardings=(whole, NamedSharding(self.mesh, P())),
             donate_argnums=donate,
             compiler_options=step_compiler_options(self.mode.name, two_d=True),
         )  # fmt: skip

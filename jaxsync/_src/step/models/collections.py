@@ -61,10 +61,13 @@ def _plain(tree: Any) -> Any:
     return tree
 
 
-def call(fn: Any, params: Any, collections: dict, batch: Any, has_aux: bool) -> tuple[Any, Any]:
-    """``fn({"params": params, **collections}, batch)`` as ``(loss or (loss, aux), the
-    collections after the call)``; a collection the call did not return is kept."""
-    out = fn({"params": params, **collections}, batch)
+def call(
+    fn: Any, params: Any, collections: dict, batch: Any, has_aux: bool, *extra: Any
+) -> tuple[Any, Any]:
+    """``fn({"params": params, **collections}, batch, *extra)`` (``extra``: the piece's
+    key, when the step is given one) as ``(loss or (loss, aux), the collections after
+    the call)``; a collection the call did not return is kept."""
+    out = fn({"params": params, **collections}, batch, *extra)
     if not (isinstance(out, tuple) and len(out) == 2):
         raise ValueError(RETURN.format(got=type(out).__name__))
     loss, rest = out
