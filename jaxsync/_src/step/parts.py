@@ -21,6 +21,7 @@ from ..optim.loss_scale import active_scale
 from ..sync.views import is_view, trace_views
 from .meaning import check_aux, piece_rows, reduce_aux, reduce_state, stack_one, state_rules
 from .models import collections
+from .models.boxes import box_constraints_on_free_axes
 from .models.nnx_bridge import ModelDef
 from .modes import deterministic_of
 from .rng import fold_model_keys, keep_model_keys, piece_args, rng_key_paths, user_batch
@@ -71,7 +72,7 @@ def loss_of(cfg: Any, plan: Plan, state: TrainState, batch: Any) -> Callable[[An
 
     def loss(params: Any, piece: Any) -> tuple[jax.Array, Any]:
         batch, pid, extra = piece_args(piece)
-        with trace_views():
+        with trace_views(), box_constraints_on_free_axes():
             if plan.model is None and state.model_state:  # linen collections
                 out, rest = collections.call(
                     fn, params, state.model_state, batch, cfg.has_aux, *extra
