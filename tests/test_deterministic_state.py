@@ -115,7 +115,21 @@ def test_softmax_and_attention_models_agree_bitwise_at_two_devices_and_more(mode
     strict=True,
     reason="known limit (README): XLA:CPU compiles the one-device program differently",
 )
-def test_softmax_at_one_device_agrees_bitwise():
+@pytest.mark.parametrize("model", ["softmax", "rms"])
+def test_softmax_at_one_device_agrees_bitwise(model):
     require_devices(2)
-    one, two = (trained_bits(Softmax, "ddp", n).view(np.uint32) for n in (1, 2))
+    model = Softmax if model == "softmax" else RMSNormed
+    one, two = (trained_bits(model, "ddp", n).view(np.uint32) for n in (1, 2))
     np.testing.assert_array_equal(one, two)
+
+
+class RMSNormed(nnx.Module):
+    """No softmax: an RMS norm's division by a per-row value is enough (docs)."""
+
+    def __init__(self, rngs):
+        self.a = nnx.Linear(8, 16, rngs=rngs)
+        self.b = nnx.Linear(16, 1, rngs=rngs)
+
+    def __call__(self, x):
+        h = self.a(x)
+        return self.b(h / jnp.sqrt(jnp.mean(h * h, axis=-1, keepdims=True) + 1e-6)).mean()
