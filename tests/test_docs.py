@@ -256,7 +256,7 @@ def check_nnx_scanned(ns: dict, ctx: SimpleNamespace) -> None:
     ref, _ = nnx_reference(ns["Net"](4, nnx.Rngs(1)), optax.adamw(1e-2), ns["loss_fn"], [batch])
     close(nnx_params(step.model(state)), ref)
     # FSDP: params, Adam state and the stacked unit [layers, shard] all 1/8 per device
-    assert state.params["blocks"].addressable_shards[0].data.shape[0] == 4
+    assert state.params.as_dict()["blocks"].addressable_shards[0].data.shape[0] == 4
     assert all(shard_fraction(x) == 1 / 8 for x in jax.tree.leaves(state.params))
 
 
@@ -287,7 +287,7 @@ def check_accumulate(ns: dict, ctx: SimpleNamespace) -> None:
 
 def check_fsdp_step(ns: dict, ctx: SimpleNamespace) -> None:
     step, state = ns["step"], ns["state"]
-    assert all(shard_fraction(s) == 1 / 8 for s in state.params.values())
+    assert all(shard_fraction(s) == 1 / 8 for s in state.params.as_dict().values())
     ref_loss, ref_grads = jax.jit(jax.value_and_grad(ns["loss_fn"]))(ctx.params, ns["batch"])
     np.testing.assert_allclose(ns["loss"], ref_loss, rtol=2e-2)  # bf16 params in the step
     # FSDP's grad-norm metric: the global norm over all shards

@@ -3,10 +3,13 @@
 A ``"fsdp"`` :func:`jaxsync.train_step` keeps no params tree: every unit is one flat
 fp32 buffer (padded to divide over the ranks) sharded over the data axes. A plain
 ``{unit: shard}`` dict there reads like the params (``jax.tree.leaves`` of it counts
-the padding too), so ``state.params`` holds them in an :class:`FsdpShards`: a
-read-only mapping that says what it is and where the params are
-(:meth:`TrainStep.params`), and a pytree whose key paths are the dict's
-(``['blocks']``), so checkpoints, specs and ``tree_map`` see what they saw before.
+the padding too, and ``"embed" in state.params`` answered True where a unit is named
+like a param: a parameter count read 84352 for 84288), so ``state.params`` holds them
+in an :class:`FsdpShards`: it says what it is, answers no mapping question (``in``,
+``[]``, ``keys()``, iteration raise, naming :meth:`TrainStep.params`, the one
+accessor of the params), and is a pytree whose key paths are the dict's
+(``['blocks']``), so ``jit``, checkpoints, specs and ``tree_map`` see what they saw
+before.
 """
 
 from __future__ import annotations
@@ -16,10 +19,12 @@ from typing import Any
 
 import jax
 
-NOT_A_UNIT = (
-    "{key!r} is not an FSDP unit: a 'fsdp' step's state.params is an FsdpShards, the flat "
-    "fp32 shard (padded) of each unit {units}, not the params. Read the params with "
-    "`step.params(state)` (or the fp32 master weights with `step.master(state)`)."
+NOT_THE_PARAMS = (
+    "a 'fsdp' step's state.params is an FsdpShards: the flat fp32 shard (padded) of each "
+    "unit {units}, not the params, so it answers no {op} (a param's name or count read "
+    "from it would be a unit's, padding included). Read the params with "
+    "`step.params(state)` (the fp32 master weights with `step.master(state)`); the unit "
+    "shards themselves with `state.params.as_dict()`."
 )
 
 NOT_PARAMS = (
@@ -29,20 +34,22 @@ NOT_PARAMS = (
 
 
 @jax.tree_util.register_pytree_with_keys_class
-class FsdpShards(Mapping):
-    """``state.params`` of an FSDP step: ``{unit: that unit's flat fp32 shard}``.
+class FsdpShards:
+    """``state.params`` of an FSDP step: each unit's flat fp32 shard, by unit.
 
     Each value is one unit's params flattened into one fp32 buffer, padded so that
     it divides over the data-parallel ranks (a stacked unit's is ``[layers, n *
     shard]``), sharded over the data axes. These are not the params: their leaves
-    hold the padding too. Read the params, shaped and typed as the model wrote them,
-    with ``step.params(state)``; the fp32 master weights with ``step.master(state)``.
+    hold the padding too, and a unit may be named like a param (``"embed"``). So it
+    answers no mapping question (``in``, ``[]``, ``keys()``, ``len()``, iteration):
+    each raises a ``TypeError`` naming ``step.params(state)``, the one accessor of
+    the params, shaped and typed as the model wrote them (``step.master(state)``: the
+    fp32 master weights). :meth:`as_dict` gives the ``{unit: shard}`` dict itself.
 
-    A read-only mapping in unit order (``state.params["blocks"]``, ``.items()``) and a
-    pytree with the key paths of the dict it replaces (``['blocks']``), flattened in
-    a dict's order (sorted keys), so ``jax.tree`` functions, shardings and
-    checkpoints read it as they read that dict. :class:`jaxsync.FullyShard`'s methods
-    take it as they take :meth:`FullyShard.shard`'s plain dict (:meth:`as_dict`).
+    It is a pytree with the key paths of that dict (``['blocks']``), flattened in a
+    dict's order (sorted keys), so ``jit``, ``jax.tree`` functions, shardings and
+    orbax read it as they read the dict. :class:`jaxsync.FullyShard`'s methods take it
+    as they take :meth:`FullyShard.shard`'s plain dict.
 
     Example:
       >>> state = step.init(params)  # mode="fsdp"
@@ -58,31 +65,52 @@ class FsdpShards(Mapping):
         The order is part of the pytree structure, so a step's state keeps
         ``FullyShard.units``' order whatever order a tree operation left a dict in.
         """
+        shards = plain(shards)
         self._shards = dict(shards) if units is None else {u: shards[u] for u in units}
         if len(self._shards) != len(shards):
             raise ValueError(
                 f"FsdpShards: `units` {list(units or ())} are not the keys {sorted(shards)}."
             )
 
-    # ------------------------------------------------------------- mapping
-    def __getitem__(self, key: Any) -> Any:
-        try:
-            return self._shards[key]
-        except KeyError:
-            raise KeyError(NOT_A_UNIT.format(key=key, units=list(self._shards))) from None
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._shards
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._shards)
-
-    def __len__(self) -> int:
-        return len(self._shards)
-
     def as_dict(self) -> dict[str, Any]:
         """The plain ``{unit: shard}`` dict (what :meth:`FullyShard.shard` returns)."""
         return dict(self._shards)
+
+    @property
+    def units(self) -> tuple[str, ...]:
+        """The FSDP units, in the step's order."""
+        return tuple(self._shards)
+
+    # ------------------------------------------------- not a mapping of params
+    def _refuse(self, op: str) -> TypeError:
+        return TypeError(NOT_THE_PARAMS.format(units=list(self._shards), op=op))
+
+    def __getitem__(self, key: Any) -> Any:
+        raise self._refuse(f"`[{key!r}]`")
+
+    def __contains__(self, key: object) -> bool:
+        raise self._refuse(f"`{key!r} in ...`")
+
+    def __iter__(self) -> Iterator[str]:
+        raise self._refuse("iteration")
+
+    def __len__(self) -> int:
+        raise self._refuse("`len()`")
+
+    def __bool__(self) -> bool:
+        return True
+
+    def keys(self) -> Any:
+        raise self._refuse("`keys()`")
+
+    def values(self) -> Any:
+        raise self._refuse("`values()`")
+
+    def items(self) -> Any:
+        raise self._refuse("`items()`")
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        raise self._refuse(f"`get({key!r})`")
 
     # -------------------------------------------------------------- pytree
     def tree_flatten_with_keys(self) -> tuple[tuple[tuple[Any, Any], ...], tuple[str, ...]]:
