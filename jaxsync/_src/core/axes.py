@@ -118,3 +118,42 @@ def to_varying(tree: Any, axes: tuple[str, ...]) -> Any:
 def rank(axes: tuple[str, ...]) -> jax.Array:
     """Linear index of this device over ``axes`` (row-major, first axis slowest)."""
     return jax.lax.axis_index(axes)
+
+
+IDLE_AXIS = (
+    "{fn}: mesh axis {axis!r} (size {size}) is idle: it is not a data axis "
+    "(axis_name={data!r}), no param is sharded over it and no `rules` reduce over it, so "
+    "the {size} devices along it would each run the same rows as the others: the right "
+    "numbers at 1/{size} of the throughput. If it is data parallel (a trainer's "
+    "('replica', 'data') mesh), pass `axis_name={suggest!r}`: the batch is then split over "
+    "it too; if the loss uses it itself (its own collectives or axis_index: tensor or "
+    "sequence parallelism by hand over replicated params), declare it with "
+    "`loss_axes={axis!r}`; else build the mesh without it."
+)
+
+
+def check_idle_axes(
+    mesh: Any, data: tuple[str, ...], used: set[str], loss_axes: tuple[str, ...], fn: str
+) -> None:
+    """Refuses a mesh axis of size > 1 that nothing uses: not a data axis, in no
+    param's spec (``used``: those and the axes ``rules`` name) and not declared in
+    ``loss_axes``. The step would run each device's rows once per device along it."""
+    unknown = [a for a in loss_axes if a not in mesh.axis_names or a in data]
+    if unknown:
+        raise ValueError(
+            f"{fn}: `loss_axes` {unknown} must be mesh axes other than the data axes "
+            f"{data}; the mesh has axes {dict(mesh.shape)}."
+        )
+    idle = [
+        a for a in mesh.axis_names
+        if mesh.shape[a] > 1 and a not in data and a not in used and a not in loss_axes
+    ]  # fmt: skip
+    if not idle:
+        return
+    suggest = tuple(a for a in mesh.axis_names if a in data or a in idle)
+    raise ValueError(
+        IDLE_AXIS.format(
+            fn=fn, axis=idle[0], size=mesh.shape[idle[0]], data=data[0] if len(data) == 1 else data,
+            suggest=suggest[0] if len(suggest) == 1 else suggest,
+        )
+    )  # fmt: skip

@@ -43,6 +43,7 @@ def train_step(
     has_aux: bool = False,
     aux_reduce: Mapping[str, str] | None = None,
     state_reduce: Mapping[str, str] | None = None,
+    loss_axes: AxisName = (),
     **mode_options: Any,
 ) -> TrainStep:
     """Builds a jitted data-parallel training step: DDP, ZeRO or FSDP.
@@ -102,6 +103,12 @@ def train_step(
         value plus every piece's change), ``"max"``, ``"min"``, ``"any"``, ``"all"``.
         Undeclared, ``nnx.BatchStat`` is a mean, ``nnx.RngCount`` the maximum, integer
         state a counter; a float state that differs between devices is refused.
+      loss_axes: mesh axes the loss itself works over (its own collectives or
+        ``axis_index``: tensor or sequence parallelism by hand over params replicated
+        there); the step splits no rows over them. Every mesh axis of size > 1 must be a
+        data axis, in a param's sharding, named by ``rules``, or here: an idle axis
+        (a trainer's ``("replica", "data")`` mesh with the default ``axis_name``) would
+        run each device's rows once per device along it, and is refused at ``init``.
       **mode_options: the keywords this function took before modes were values
         (``bucket_size``, ``reduce_dtype``, ``rules``, ``deterministic``, ``units``,
         ``policy``, ``reshard_after_forward``), still accepted beside a string
@@ -166,6 +173,7 @@ def train_step(
         has_aux=has_aux,
         aux_reduce=aux_rules,
         state_reduce=state_rules,
+        loss_axes=() if loss_axes == () else normalize_axes(loss_axes),
     )
 
 

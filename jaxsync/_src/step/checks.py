@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..core.axes import check_idle_axes
 from ..core.names import param_name
 from ..core.specs import entry_axes
 from ..layout.ownership import WholeMatrices
@@ -39,8 +40,6 @@ STATE_DELETED = (
     "`state, loss = step(state, batch)`; to keep the old one, pass `donate=False` to "
     "`jaxsync.train_step` or copy it first (`jax.tree.map(jnp.copy, state)`)."
 )
-
-
 
 
 def check_state_alive(state: PyTree, fn: str) -> None:
@@ -177,6 +176,8 @@ def check_param_shardings(params: PyTree, cfg: Any, fn: str) -> None:
             other = tuple(a for a in axes if a not in data)
             if other and first is None:
                 first = (name, shape, spec, other)
+    if jax.process_count() == 1:  # else after the processes agree on the specs
+        check_mesh_use(params, cfg, fn)
     if first is None:
         return
     unsupported = [
@@ -198,8 +199,14 @@ def check_param_shardings(params: PyTree, cfg: Any, fn: str) -> None:
             )
 
 
-
-
+def check_mesh_use(params: PyTree, cfg: Any, fn: str) -> None:
+    """Every mesh axis of size > 1 is a data axis, in a param's spec, named by the
+    mode's ``rules`` or in ``loss_axes`` (:func:`core.axes.check_idle_axes`)."""
+    used = {r.axis for _, r in getattr(getattr(cfg.mode, "rules", None), "rules", ())}
+    for x in jax.tree.leaves(params):
+        spec = getattr(getattr(x, "sharding", None), "spec", None)
+        used.update(a for entry in spec or () for a in entry_axes(entry))
+    check_idle_axes(cfg.mesh, cfg.axis_name, used, getattr(cfg, "loss_axes", ()), fn)
 
 
 DETERMINISTIC_MODEL_STATE = (
@@ -253,6 +260,7 @@ def check_processes_at_init(cfg: Any, params: PyTree, model_state: PyTree) -> No
     ]
     check_agree(items, fn)
     check_agree(param_values(params), fn, "the values of params that must be replicated")
+    check_mesh_use(params, cfg, fn)
 
 
 def check_processes_first_step(cfg: Any, state: PyTree, batch: PyTree) -> None:
