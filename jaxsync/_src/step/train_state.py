@@ -60,6 +60,10 @@ class TrainState(NamedTuple):
         after the last step (floats averaged over devices); ``{}`` otherwise.
       guard: ``"ddp"``/``"fsdp"``: the loss scale and metrics; ``None`` for
         ``"zero"`` (they are in ``opt_state``).
+      layout: int32 ``[2]``, replicated: the data-parallel size the flat shards were
+        cut for (0 when no leaf depends on it) and a fingerprint of the layout options;
+        a state restored by plain orbax onto a step of another layout is refused by
+        name (:mod:`jaxsync._src.step.shard_tag`).
     """
 
     step: jax.Array
@@ -67,6 +71,7 @@ class TrainState(NamedTuple):
     opt_state: PyTree
     model_state: PyTree
     guard: GuardState | None
+    layout: jax.Array | None = None
 
     @property
     def metrics(self) -> StepMetrics:
