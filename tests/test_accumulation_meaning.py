@@ -115,3 +115,113 @@ def test_the_multi_steps_warning_names_the_whole_rewrite(mesh8):
     text = str(seen[0].message)
     for part in ("`microbatches=2`", "`clip_grad_norm=`", "state.step", "normalize='microbatch'"):
         assert part in text, part
+
+
+# ------------------------------------------- weighted_loss: mean of microbatch means
+SEQ, DIN, DOUT, N = 6, 4, 3, 8
+
+
+def token_sum(p, b):
+    err = jnp.sum((jnp.tanh(b["x"] @ p["w1"]) @ p["w2"] - b["y"]) ** 2, axis=-1)
+    return jnp.sum(err * b["mask"])
+
+
+def token_sum_aux(p, b):
+    s = token_sum(p, b)
+    return s, {"tok_mean": s / jnp.maximum(jnp.sum(b["mask"]), 1.0)}
+
+
+def weight(b):
+    return jnp.sum(b["mask"])
+
+
+def padded_calls(steps=2, rows=CALL_ROWS):
+    """A MultiSteps trainer's batches, one per call, padded unevenly: the first call of
+    each step is mostly padding, the second mostly real tokens."""
+    rng = np.random.default_rng(0)
+    out = []
+    for i in range(steps * K):
+        hi = 2 if i % K == 0 else SEQ
+        lengths = rng.integers(1 if i % K == 0 else 4, hi + 1, size=rows)
+        out.append({
+            "x": rng.normal(size=(rows, SEQ, DIN)).astype(np.float32),
+            "y": rng.normal(size=(rows, SEQ, DOUT)).astype(np.float32),
+            "mask": (np.arange(SEQ)[None] < lengths[:, None]).astype(np.float32),
+        })  # fmt: skip
+    return out
+
+
+def interleave(calls):
+    """The K calls of one step as one jaxsync batch whose microbatch j (the j-th slice
+    of each device's rows) is call j: ``[K, N, rows/N] -> [N, K, rows/N]``."""
+    return {
+        name: np.stack([c[name] for c in calls])
+        .reshape(K, N, -1, *calls[0][name].shape[1:])
+        .swapaxes(0, 1)
+        .reshape(-1, *calls[0][name].shape[1:])
+        for name in calls[0]
+    }
+
+
+def tok_params():
+    k1, k2 = jax.random.split(jax.random.PRNGKey(5))
+    return {"w1": jax.random.normal(k1, (DIN, 8)) / 2, "w2": jax.random.normal(k2, (8, DOUT)) / 3}
+
+
+def multi_steps_trainer(params, calls):
+    """By hand, one device: each call's loss is its own token mean; MultiSteps averages
+    the K calls' gradients and SGD steps once. Returns params and each step's mean of
+    the K microbatch means."""
+    losses = []
+    for i in range(0, len(calls), K):
+        vals, grads = zip(
+            *(jax.value_and_grad(lambda p, b: token_sum(p, b) / weight(b))(params, b)
+              for b in calls[i : i + K]),
+            strict=True,
+        )  # fmt: skip
+        g = jax.tree.map(lambda *x: sum(x) / K, *grads)
+        params = jax.tree.map(lambda p, d: p - LR * d, params, g)
+        losses.append(float(sum(vals) / K))
+    return params, losses
+
+
+@pytest.mark.parametrize("mode", ["zero", "ddp", "fsdp"])
+def test_normalize_microbatch_is_the_multi_steps_objective(mesh8, mode):
+    """``weighted_loss(..., normalize="microbatch")``, ``microbatches=K``: the params, the
+    loss and a token-mean aux of the MultiSteps trainer that takes each microbatch as a
+    global batch. Before there was no such option: the step form (below) ends 12%
+    (max relative) away from the trainer's params with this padding."""
+    params, calls = tok_params(), padded_calls()
+    want, want_losses = multi_steps_trainer(params, calls)
+    loss = jaxsync.weighted_loss(token_sum_aux, weight, normalize="microbatch")
+    step = jaxsync.train_step(loss, optax.sgd(LR), mesh8, mode, microbatches=K, has_aux=True)
+    state = step.init(params)
+    for i, j in enumerate(range(0, len(calls), K)):
+        state, (value, aux) = step(state, interleave(calls[j : j + K]))
+        np.testing.assert_allclose(value, want_losses[i], rtol=1e-5)
+        np.testing.assert_allclose(aux["tok_mean"], want_losses[i], rtol=1e-5)
+    assert int(state.step) == len(calls) // K
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6),
+        step.params(state), want,
+    )  # fmt: skip
+    # The default, the token mean of the whole step, is another objective here.
+    whole = jaxsync.train_step(
+        jaxsync.weighted_loss(token_sum, weight), optax.sgd(LR), mesh8, mode, microbatches=K
+    )
+    s = whole.init(params)
+    for j in range(0, len(calls), K):
+        s, _ = whole(s, interleave(calls[j : j + K]))
+    assert gap(whole.params(s), want) > 1e-2
+
+
+def test_normalize_is_checked_and_an_empty_microbatch_skips(mesh8):
+    with pytest.raises(ValueError, match=r"`normalize` must be 'step'.*got 'tokens'"):
+        jaxsync.weighted_loss(token_sum, weight, normalize="tokens")
+    calls = padded_calls(steps=1)
+    calls[0]["mask"][:] = 0  # microbatch 0 is all padding on every device
+    loss = jaxsync.weighted_loss(token_sum, weight, normalize="microbatch")
+    step = jaxsync.train_step(loss, optax.sgd(LR), mesh8, "zero", microbatches=K)
+    state, _ = step(step.init(tok_params()), interleave(calls))
+    assert int(state.step) == 0 and int(state.metrics.skipped_steps) == 1
+    jax.tree.map(np.testing.assert_array_equal, step.params(state), tok_params())

@@ -26,7 +26,7 @@ from .models.nnx_bridge import ModelDef
 from .modes import deterministic_of
 from .rng import fold_model_keys, keep_model_keys, piece_args, rng_key_paths, user_batch
 from .train_state import GuardState, TrainState, guarded_update
-from .weighted import piece_weight, weight_factor
+from .weighted import piece_factor, piece_weight, weight_factor
 
 PyTree = Any
 
@@ -106,11 +106,11 @@ def loss_of(cfg: Any, plan: Plan, state: TrainState, batch: Any) -> Callable[[An
                 "`train_step(..., has_aux=True)`."
             )
         check_loss(out, cfg.axis_name, cfg.mode.name, "jaxsync.train_step")
-        if factor is not None:
-            out = out * factor.astype(out.dtype)
+        if factor is not None:  # this piece's share of the global weight
+            out = out * piece_factor(cfg.loss_fn, factor, batch, cfg.axis_name).astype(out.dtype)
         if scale is not None:
             out = out * scale.astype(out.dtype)
-        weight = piece_weight(cfg.loss_fn, batch) if cfg.has_aux else None
+        weight = piece_weight(cfg.loss_fn, batch, cfg.axis_name) if cfg.has_aux else None
         return out, LossAux(rest, user, weight)
 
     return loss

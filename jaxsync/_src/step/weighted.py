@@ -24,11 +24,14 @@ class WeightedLoss:
     Called directly it is the weighted mean of one batch, so the same object is the
     single-device loss (with ``(sum, aux)`` from ``sum_fn``: ``(mean, aux)``, as
     ``has_aux=True`` steps take it); :func:`jaxsync.train_step` divides the sums of
-    every device and microbatch by the weight of the whole global batch instead.
+    every device and microbatch by the weight of the whole global batch instead
+    (``normalize="step"``), or each microbatch's sums by that microbatch's global
+    weight, averaging the microbatches (``normalize="microbatch"``).
     """
 
     sum_fn: Callable[[Any, Any], Any]
     weight_fn: Callable[[Any], jax.Array]
+    normalize: str = "step"
 
     def __call__(self, params: Any, batch: Any) -> Any:
         out, weight = self.sum_fn(params, batch), self.weight_fn(batch)
@@ -37,11 +40,32 @@ class WeightedLoss:
         return out / weight
 
 
+NORMALIZE = ("step", "microbatch")
+
+
 def weighted_loss(
-    sum_fn: Callable[[Any, Any], jax.Array], weight_fn: Callable[[Any], jax.Array]
+    sum_fn: Callable[[Any, Any], jax.Array],
+    weight_fn: Callable[[Any], jax.Array],
+    *,
+    normalize: str = "step",
 ) -> WeightedLoss:
     """A token-weighted loss for :func:`jaxsync.train_step`: equal to single-device
     training on the same global batch whatever the padding of each device's rows.
+
+    With ``microbatches=k`` two objectives are in use, and ``normalize`` picks one:
+
+    - ``"step"`` (default): the sum over every token of the step's global batch divided
+      by their total weight, the token mean of the whole batch (Megatron-Core's
+      ``calculate_per_token_loss``; one device on the global batch without
+      accumulation).
+    - ``"microbatch"``: each microbatch's sum divided by that microbatch's global
+      weight (its rows on every device), averaged over the ``k`` microbatches: the
+      mean of microbatch means that a trainer with ``optax.MultiSteps(tx, k)`` computes
+      when each of its calls takes one microbatch as the global batch. Microbatch ``j``
+      is the ``j``-th of the ``k`` equal slices of each device's rows.
+
+    The two agree when every microbatch holds the same weight (no padding, or
+    padding spread evenly).
 
     Args:
       sum_fn: ``sum_fn(params_or_model, batch) -> scalar``: the loss *summed* over the
@@ -50,7 +74,12 @@ def weighted_loss(
         tokens) in the rows it is given; it must not depend on the params, and must
         depend on the batch: a constant (the global token count) is refused, as the
         step sums it over every device and microbatch. A global batch whose weight is 0
-        (all padding) is skipped as a non-finite step, never counted.
+        (all padding) is skipped as a non-finite step, never counted; with
+        ``normalize="microbatch"`` so is one whose microbatch has weight 0 (its mean
+        is 0 / 0, as in the MultiSteps trainer).
+      normalize: ``"step"`` or ``"microbatch"``: where the division by the weight
+        happens (above). Float aux follows it: token-weighted within each microbatch,
+        then the microbatches averaged, under ``"microbatch"``.
 
     Example:
       >>> loss_fn = jaxsync.weighted_loss(
@@ -63,7 +92,13 @@ def weighted_loss(
             f"summed over tokens) and weight_fn(batch) (their count); got {sum_fn!r}, "
             f"{weight_fn!r}."
         )
-    return WeightedLoss(sum_fn, weight_fn)
+    if normalize not in NORMALIZE:
+        raise ValueError(
+            f"jaxsync.weighted_loss: `normalize` must be 'step' (the token mean of the "
+            f"whole step's batch) or 'microbatch' (the mean of each microbatch's token "
+            f"mean, as optax.MultiSteps trainers compute), got {normalize!r}."
+        )
+    return WeightedLoss(sum_fn, weight_fn, normalize)
 
 
 def weight_factor(loss_fn: Any, batch: Any, axes: tuple[str, ...], k: int) -> jax.Array | None:
@@ -79,6 +114,8 @@ def weight_factor(loss_fn: Any, batch: Any, axes: tuple[str, ...], k: int) -> ja
             f"`weight_fn` of jaxsync.weighted_loss must return a scalar (the weight of the "
             f"batch's tokens), got shape {local.shape}."
         )
+    if loss_fn.normalize == "microbatch":  # each piece's own weight: piece_factor
+        return jnp.ones((), jnp.float32)
     total = jax.lax.psum(local, axes)
     n = jax.lax.psum(1, axes)
     # An all-padding global batch is no step: a NaN factor makes the loss and every
@@ -146,9 +183,32 @@ def _constant(closed: Any) -> float | None:
     return float(out[0])
 
 
-def piece_weight(loss_fn: Any, piece: Any) -> jax.Array | None:
+def piece_factor(loss_fn: Any, factor: jax.Array, piece: Any, axes: tuple[str, ...]) -> Any:
+    """What one piece's (microbatch's) sum is multiplied by: the step's ``factor``
+    (``normalize="step"``), or ``N / W_j`` with ``W_j`` the global weight of
+    microbatch ``j`` (``normalize="microbatch"``): the step's mean over ``N`` devices
+    and ``k`` microbatches is then the mean over ``j`` of ``sum_j / W_j``."""
+    if loss_fn.normalize == "step":
+        return factor
+    total = jax.lax.psum(_local_weight(loss_fn, piece), axes)
+    n = jax.lax.psum(1, axes)
+    # A microbatch of no weight: 0 / 0, a skipped step (as the global all-padding one).
+    return jnp.where(total > 0, n / jnp.where(total > 0, total, 1.0), jnp.nan)
+
+
+def piece_weight(loss_fn: Any, piece: Any, axes: tuple[str, ...] = ()) -> jax.Array | None:
     """The token weight of one piece (microbatch) of this device's rows, for the
-    token-weighted mean of float aux (None for a plain loss)."""
+    token-weighted mean of float aux (None for a plain loss); under
+    ``normalize="microbatch"`` divided by the microbatch's global weight, so that
+    each microbatch weighs the same."""
     if not isinstance(loss_fn, WeightedLoss):
         return None
+    local = _local_weight(loss_fn, piece)
+    if loss_fn.normalize == "step" or not axes:
+        return local
+    total = jax.lax.psum(local, axes)
+    return jnp.where(total > 0, local / jnp.where(total > 0, total, 1.0), 0.0)
+
+
+def _local_weight(loss_fn: WeightedLoss, piece: Any) -> jax.Array:
     return jnp.asarray(jax.lax.stop_gradient(loss_fn.weight_fn(piece)), jnp.float32)
