@@ -32,6 +32,8 @@ import dataclasses
 import importlib.util
 import os
 import re
+import sys
+import types
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -639,7 +641,11 @@ class Runner:
     def __init__(self, blocks: list[Block], specs: dict[str, Spec], cwd: Path):
         self.blocks, self.specs = blocks, specs
         self.cwd = cwd  # relative paths in the page (runs/x/...) land here
-        self.ns: dict[str, Any] = {"__name__": "docs"}
+        # A module of its own in sys.modules: a page's dataclasses (equinox modules)
+        # look their module up there.
+        module = types.ModuleType(f"docs_page_{id(self)}")
+        sys.modules[module.__name__] = module
+        self.ns: dict[str, Any] = module.__dict__
         page = blocks[0].page if blocks else "README.md"
         self.ctx = SimpleNamespace(blocks=BLOCKS.get(page, blocks))
         self.outcome: dict[int, str] = {}  # index -> "ok" | "not run" | "failed"
