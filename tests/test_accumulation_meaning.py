@@ -225,3 +225,31 @@ def test_normalize_is_checked_and_an_empty_microbatch_skips(mesh8):
     state, _ = step(step.init(tok_params()), interleave(calls))
     assert int(state.step) == 0 and int(state.metrics.skipped_steps) == 1
     jax.tree.map(np.testing.assert_array_equal, step.params(state), tok_params())
+
+
+@pytest.mark.parametrize("mode", ["zero", "fsdp"])
+def test_normalize_microbatch_with_stacked_layers(mesh8, mode):
+    """The same objective where the stacked group's gradients are reduced inside the
+    backward scan (ZeRO's held layers, FSDP's stacked unit)."""
+    from test_weighted_loss import params0
+    from test_weighted_loss import token_sum as scanned_sum
+
+    rng = np.random.default_rng(1)
+    calls = []
+    for i in range(K):
+        lengths = rng.integers(1 if i == 0 else 4, (2 if i == 0 else 6) + 1, size=CALL_ROWS)
+        calls.append({
+            "x": rng.normal(size=(CALL_ROWS, 6, 5)).astype(np.float32),
+            "y": rng.normal(size=(CALL_ROWS, 6, 3)).astype(np.float32),
+            "mask": (np.arange(6)[None] < lengths[:, None]).astype(np.float32),
+        })  # fmt: skip
+    p = params0()
+    grads = [jax.grad(lambda q, b: scanned_sum(q, b) / weight(b))(p, b) for b in calls]
+    want = jax.tree.map(lambda x, *g: x - LR * sum(g) / K, p, *grads)
+    loss = jaxsync.weighted_loss(scanned_sum, weight, normalize="microbatch")
+    step = jaxsync.train_step(loss, optax.sgd(LR), mesh8, mode, microbatches=K, stacked="blocks")
+    state, _ = step(step.init(p), interleave(calls))
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6),
+        step.params(state), want,
+    )  # fmt: skip
