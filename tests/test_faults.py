@@ -17,8 +17,21 @@ import time
 
 import pytest
 
+from jaxsync._src.multihost import faults, shapes
+from jaxsync._src.multihost.children import culprit
 from jaxsync._src.multihost.faults import PEER_EXIT_CODE
-from jaxsync._src.multihost.watchdog import HANG_EXIT_CODE
+from jaxsync._src.multihost.watchdog import (
+    CHECK,
+    DATA,
+    HANG_EXIT_CODE,
+    START,
+    STEP,
+    Seen,
+    Verdict,
+    decide,
+    first_step_from,
+    report,
+)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 AT = 3  # the step at which the fault happens
@@ -55,6 +68,8 @@ for i in range(8):
             rows = 2  # every process alike: fine
         if mode == "raise" and rank == 1:
             raise RuntimeError("process one gives up")
+        if mode == "raise0" and rank == 0:
+            raise RuntimeError("process zero gives up")
         if mode == "kill" and rank == 1:
             os.kill(os.getpid(), signal.SIGKILL)
         if mode == "kill0" and rank == 0:
@@ -294,3 +309,88 @@ def test_the_launcher_blames_the_process_that_hangs(tmp_path, hung):
     assert out.returncode == HANG_EXIT_CODE, (out.stdout[-3000:], out.stderr)
     assert f"jaxsync.launch: process {hung} failed first" in out.stderr, out.stderr
     assert f"process {1 - hung} failed first" not in out.stderr, out.stderr
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(90)
+def test_the_coordinator_raising_is_named_by_the_other(tmp_path):
+    # Process 0 runs the coordination service: it waits a moment after publishing its
+    # error, so that the other reads it before the service ends with process 0.
+    codes, outs, _ = run_bare(tmp_path, "raise0")
+    assert codes == {0: 1, 1: PEER_EXIT_CODE}, (codes, lines_of(outs[1]))
+    assert (
+        f"jaxsync (process 1): process 0 failed at step {AT} (phase data): RuntimeError: "
+        "process zero gives up"
+    ) in outs[1], lines_of(outs[1])
+
+
+def seen(rank, step, phase, done=None, beat=0.5, moved=0.5):
+    return Seen(rank, step, phase, step if done is None else done, beat, moved)
+
+
+@pytest.mark.parametrize(
+    "records, first_step, verdict",
+    [
+        # one process never reached its first step while the other waits in its check
+        ([seen(0, 0, CHECK, moved=9), seen(1, 0, START, moved=9)], 8.0, ("behind", (1,))),
+        ([seen(0, 0, CHECK, moved=9), seen(1, 0, START, moved=9)], 10.0, None),
+        # the first step compiles for longer than hang_timeout: not a hang
+        ([seen(0, 0, STEP, moved=9), seen(1, 0, STEP, moved=9)], 600.0, None),
+        ([seen(0, 0, STEP, moved=9), seen(1, 0, STEP, moved=9)], 8.0, ("together", (0, 1))),
+        # once a step has finished, hang_timeout again
+        ([seen(0, 5, STEP, moved=4), seen(1, 5, DATA, moved=4)], 600.0, ("behind", (1,))),
+        # a dead process is named whatever the allowance
+        ([seen(0, 0, CHECK, moved=9), seen(1, 0, START, beat=4, moved=9)], 600.0,
+         ("silent", (1,))),
+    ],
+)  # fmt: skip
+def test_the_first_step_has_its_own_allowance(records, first_step, verdict):
+    got = decide(records, timeout=3.0, first_step=first_step)
+    assert got == (None if verdict is None else Verdict(*verdict))
+    if got is not None and got.why != "silent" and records[0].done == 0:
+        text = report(got, records, 3.0, me=0, first_step=first_step)
+        assert f"(before its first step finished: first_step_timeout={first_step:g}s)" in text
+
+
+def test_first_step_timeout_from_the_argument_or_the_environment(monkeypatch):
+    monkeypatch.delenv("JAXSYNC_FIRST_STEP_TIMEOUT", raising=False)
+    assert first_step_from(None, None) == 600.0 and first_step_from(None, 900) == 900.0
+    assert first_step_from(30, 5) == 30.0 and first_step_from(0, 5) == float("inf")
+    monkeypatch.setenv("JAXSYNC_FIRST_STEP_TIMEOUT", "45")
+    assert first_step_from(None, 5) == 45.0
+    monkeypatch.setenv("JAXSYNC_FIRST_STEP_TIMEOUT", "later")
+    with pytest.raises(ValueError, match="JAXSYNC_FIRST_STEP_TIMEOUT='later' must be a number"):
+        first_step_from(None, 5)
+    with pytest.raises(ValueError, match="`first_step_timeout` must be a number of seconds"):
+        first_step_from(-1, 5)
+
+
+def test_the_first_fault_is_one_no_other_caused():
+    records = {
+        0: {"rank": 0, "step": 3, "phase": "data", "what": "x", "after": 1, "hang": False},
+        1: {"rank": 1, "step": 3, "phase": "data", "what": "y", "after": None, "hang": True},
+    }
+    assert faults.first(records, me=0) is records[1]  # a hang verdict names who hung
+    assert faults.first(records, me=0, hangs=False) is None  # the judge waits for its own
+    assert faults.first(records, me=1) is None  # never one's own
+    assert faults.describe(records[1]) == "process 1 failed at step 3 (phase data): y"
+
+
+def test_the_launcher_follows_the_chain_of_blame(tmp_path, monkeypatch):
+    monkeypatch.setenv("JAXSYNC_LAUNCH_DIR", str(tmp_path))
+    faults.blame(0, 2, "process 2 did not arrive")
+    faults.blame(2, 1, "process 1 failed at step 4")
+    assert culprit(str(tmp_path), 0) == (1, "process 1 failed at step 4")
+    assert culprit(str(tmp_path), 1) is None  # its own fault
+    faults.blame(1, 0, "a cycle")  # never loops
+    assert culprit(str(tmp_path), 0) is not None
+
+
+def test_the_shape_signature_is_shapes_and_dtypes():
+    import numpy as np
+
+    batch = {"x": np.ones((8, 4), np.float32), "y": np.ones((8,), np.int32)}
+    sig = shapes.signature(batch)
+    assert sig == shapes.signature({"x": np.zeros((8, 4), np.float32), "y": np.zeros(8, np.int32)})
+    assert sig != shapes.signature({"x": np.ones((4, 4), np.float32), "y": np.ones(4, np.int32)})
+    assert shapes.text(sig) == "(8, 4) float32, (8,) int32"

@@ -276,7 +276,8 @@ class _Watch:
     def __init__(self, client: Any, rank: int, nproc: int, timeout: float | None, first: float):
         self.client, self.rank, self.nproc, self.timeout = client, rank, nproc, timeout
         self.first = first
-        self.dead = _seconds(None, ENV_DEAD_TIMEOUT, ENV_DEAD_TIMEOUT) or DEAD_TIMEOUT
+        dead = _seconds(None, ENV_DEAD_TIMEOUT, ENV_DEAD_TIMEOUT)
+        self.dead = DEAD_TIMEOUT if dead is None else dead or float("inf")  # 0: off
         self.interval = min(timeout / 10, 2.0) if timeout else MONITOR_INTERVAL
         now = time.monotonic()
         # rank -> [published text, beat, beat changed at, (step, phase), moved at, done]
@@ -306,9 +307,15 @@ class _Watch:
                     out[int(key.rsplit("/", 1)[1])] = (s, p)
         return out
 
+    def closed(self) -> bool:
+        """Whether the script shut JAX's distributed runtime down: nothing to watch."""
+        from jax._src.distributed import global_state
+
+        return global_state.client is not self.client
+
     def publish(self) -> None:
         beat = 0
-        while True:
+        while not self.closed():
             beat += 1
             step, where = _pos
             text = json.dumps([beat, step, where, self._finished()])
@@ -344,6 +351,8 @@ class _Watch:
     def judge(self) -> None:
         while True:
             time.sleep(self.interval)
+            if self.closed():
+                return
             rec = faults.first(self.faults, self.rank, hangs=False)
             if rec is not None and not self.quit.is_set():
                 faults.blame(self.rank, rec["rank"], faults.describe(rec))
