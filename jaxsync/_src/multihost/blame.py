@@ -66,6 +66,9 @@ def on_uncaught(kind: type[BaseException], value: BaseException, code: int) -> i
     w = watchdog._watch
     if w is None:
         return code
+    if w.failing.is_set():  # the monitor reports already, and ends this process
+        time.sleep(60)
+        return code
     w.quit.set()  # the judge must not end this process while it reports
     what = f"{kind.__name__}: {value}"
     secondhand = kind.__name__ in _RUNTIME or any(word in what for word in _SECONDHAND)

@@ -95,12 +95,15 @@ def initialize(
         :mod:`jaxsync._src.multihost.watchdog`). Default: the environment
         variable ``JAXSYNC_HANG_TIMEOUT``, else off; 0 is off. Set it above the
         longest step, compilation, evaluation and checkpoint save.
-      first_step_timeout: with ``hang_timeout``, the allowance of everything
+      first_step_timeout: in a multi-process run, the allowance of everything
         before a process's first step has finished on its device (set-up, data
         loading, compilation), in seconds, instead of ``hang_timeout``: a
-        process that hangs before its first step is named once it runs out.
-        Default: the environment variable ``JAXSYNC_FIRST_STEP_TIMEOUT``, else
-        600 s or ``hang_timeout`` if longer; 0 is no limit.
+        process that hangs before its first step while the others wait for it
+        is named once it runs out, with or without ``hang_timeout``. Default:
+        the environment variable ``JAXSYNC_FIRST_STEP_TIMEOUT``, else 600 s or
+        ``hang_timeout`` if longer; 0 is no limit. (Without ``hang_timeout``, a
+        process whose heartbeat stops for ``JAXSYNC_DEAD_TIMEOUT`` s, default
+        30, is named as dead too; see :mod:`jaxsync._src.multihost.faults`.)
 
     Returns:
       A :class:`ProcessInfo`; ``how`` says which path was taken.

@@ -126,9 +126,8 @@ def first(records: dict[int, dict], me: int, hangs: bool = True) -> dict | None:
 
 
 def describe(rec: dict) -> str:
-    return (
-        f"process {rec['rank']} failed at step {rec['step']} (phase {rec['phase']}): {rec['what']}"
-    )
+    what = str(rec["what"]).rstrip(".")
+    return f"process {rec['rank']} failed at step {rec['step']} (phase {rec['phase']}): {what}"
 
 
 def peer_failed(rec: dict, me: int) -> str:

@@ -22,7 +22,9 @@ runs two daemon threads:
 
 The first step (until this process's device has finished one) gets
 ``first_step_timeout`` instead of ``hang_timeout``: it includes compilation, and
-a process that never reaches it (stuck in set-up) is named once it runs out.
+a process that never reaches it (stuck in set-up) while the others wait is named
+once it runs out. Without a ``hang_timeout`` the judge names only that and a
+process whose heartbeat stopped for ``JAXSYNC_DEAD_TIMEOUT`` seconds (dead).
 
 The training thread only assigns a tuple (:func:`run_step`, :func:`phase`) and
 compares the batch's shapes with the last step's: no RPC sits on the step's
@@ -286,6 +288,7 @@ class _Watch:
         self.done = 0
         self.faults: dict[int, dict] = {}  # fault records, as last read
         self.quit = threading.Event()  # set while this process reports its own failure
+        self.failing = threading.Event()  # set once fail() runs: it ends the process
 
     def _finished(self) -> int:
         while _pending:
@@ -359,7 +362,9 @@ class _Watch:
                 self.fail(faults.peer_failed(rec, self.rank), faults.PEER_EXIT_CODE, rec["rank"])
             now = time.monotonic()
             seen = self.seen(now)
-            limit = self.timeout or self.dead  # without a hang_timeout: the dead only
+            # Without a hang_timeout: the dead, and a process that never reaches its
+            # first step while the others wait for it (first_step_timeout).
+            limit, name = self.timeout or self.dead, "hang_timeout"
             if now - self.answered > limit and self.rank != 0:
                 # The coordination service lives in process 0: it is stopped or frozen.
                 seen = [s._replace(beat_age=now - self.answered) if s.rank == 0 else s
@@ -369,9 +374,11 @@ class _Watch:
                 verdict = decide(seen, self.timeout, self.first)
             else:
                 silent = tuple(s.rank for s in seen if s.beat_age > limit)
-                verdict = Verdict("silent", silent) if silent else None
+                verdict, name = Verdict("silent", silent) if silent else None, ENV_DEAD_TIMEOUT
+                late = decide(seen, float("inf"), self.first)  # first steps only
+                if verdict is None and late is not None and late.why == "behind":
+                    verdict, limit, name = late, self.first, "first_step_timeout"
             if verdict is not None and not self.quit.is_set():  # else: the error hook reports
-                name = "hang_timeout" if self.timeout else ENV_DEAD_TIMEOUT
                 text = report(verdict, seen, limit, self.rank, self.first, name)
                 if now - self.answered > limit / 3 and self.rank != 0:
                     quiet = now - self.answered
@@ -387,6 +394,7 @@ class _Watch:
         """Says ``message``, publishes it as a fault (caused by ``culprit``'s unless
         that is this process; -1: by none, shared by all), exits with ``code``."""
         self.quit.set()
+        self.failing.set()
         step, where = _pos
         after = None if culprit == self.rank else culprit
         line = message.split("\n")[0][:500]
