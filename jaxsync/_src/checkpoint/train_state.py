@@ -38,6 +38,7 @@ from ..core.names import param_name
 from ..fsdp import shards as fsdp_shards
 from ..fsdp.held import FsdpShards
 from ..step.held import strip
+from ..step.shard_tag import tag_of
 from ..step.train_state import TrainState
 from ..step.two_d import portable as two_d_portable
 from .checksum import tree_checksums
@@ -173,7 +174,8 @@ def from_portable(ts: Any, portable: dict[str, Any], like: TrainState, fn: str) 
             jax.tree.structure(like.guard), jax.tree.leaves(portable["guard"])
         )
     model_state = _data_to_keys(portable["model_state"], like.model_state)
-    state = TrainState(portable["step"], params, opt, model_state, guard)
+    tag = None if like.layout is None else tag_of(ts)  # this step's layout: shards rebuilt
+    state = TrainState(portable["step"], params, opt, model_state, guard, tag)
     state = jax.tree.unflatten(jax.tree.structure(like), jax.tree.leaves(state))
     return jax.tree.map(lambda x, ref: put(x, ref.sharding), state, like)  # cpu_order
 

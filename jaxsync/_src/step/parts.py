@@ -137,7 +137,7 @@ def finish(
     )  # fmt: skip
     new = TrainState(
         state.step + finite.astype(jnp.int32), params, opt_state,
-        settle(cfg, plan, rest, state, finite), GuardState(scale, metrics),
+        settle(cfg, plan, rest, state, finite), GuardState(scale, metrics), state.layout,
     )  # fmt: skip
     return new, outputs(cfg, loss, rest, state, batch)
 

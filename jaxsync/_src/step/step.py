@@ -56,6 +56,7 @@ from .models.nnx_bridge import is_graphdef, is_module, merge_split, split_model
 from .modes import DDP, Mode, deterministic_of
 from .parts import Plan
 from .rng import KeyKind, check_batch_keys, check_key, keyed
+from .shard_tag import check_tag, remember, tagged
 from .train_state import TrainState
 from .two_d.plan import project, spec_layout, spec_master, spec_params
 from .xla_options import step_compiler_options
@@ -90,6 +91,7 @@ class TrainStep:
     _plans: dict[Any, Plan] = dataclasses.field(default_factory=dict, repr=False)
     _stepped: list[bool] = dataclasses.field(default_factory=list, repr=False)
     _keyed: dict[Any, Callable[..., Any]] = dataclasses.field(default_factory=dict, repr=False)
+    _tags: list[Any] = dataclasses.field(default_factory=list, repr=False)  # shard_tag
 
     # ------------------------------------------------------------------ init
     def init(self, params: Any, *nnx_states: Any, model_state: Any = None) -> TrainState:
@@ -114,7 +116,10 @@ class TrainStep:
         else:
             params, rest = replicated_copy((params, rest), self.mesh)
         state, plan = make_state(self, model, params, rest, layout)
+        state, specs = tagged(self, state, plan.specs)
+        plan = dataclasses.replace(plan, specs=specs)
         state = distinct(state)
+        remember(self, state.layout)
         self._register(state, plan)
         handed.note(self, state)
         return state
@@ -135,7 +140,9 @@ class TrainStep:
         layout = spec_layout(self, params)  # from the shardings, before tracing drops them
 
         def make(params: PyTree, rest: PyTree) -> TrainState:
-            state, built["plan"] = make_state(self, model, params, rest, layout)
+            state, plan = make_state(self, model, params, rest, layout)
+            state, specs = tagged(self, state, plan.specs, abstract=True)
+            built["plan"] = dataclasses.replace(plan, specs=specs)
             return state
 
         shapes = jax.eval_shape(make, params, rest)
@@ -208,6 +215,7 @@ class TrainStep:
         skips.watch(self, state)
         out = watchdog.run_step(fn, state, placed)  # marks the step for a hang's report
         handed.note(self, out[0])
+        remember(self, out[0].layout)
         return out
 
     def lower(self, state: TrainState, batch: PyTree, *, key: Any = None) -> Any:
@@ -250,6 +258,7 @@ class TrainStep:
                 "TrainStep. Build the state with `step.init(params_or_module)` (a restored "
                 "state too: restore into the state `init` returns)."
             )
+        check_tag(self, state, fn)  # a state cut for another layout (plain orbax restore)
         return plan
 
     def _build(self, plan: Plan, kind: KeyKind | None = None) -> Callable[..., Any]:
