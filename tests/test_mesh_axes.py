@@ -87,8 +87,10 @@ def test_an_axis_the_loss_uses_is_declared_in_loss_axes():
     step = jaxsync.train_step(tp_loss, optax.sgd(0.1), mesh, "zero", loss_axes="model")
     want, _ = run_reference(optax.sgd(0.1), params, batches(), loss_fn=plain_loss)
     close(train(step, params), want)
-    with pytest.raises(ValueError, match=r"`loss_axes` \['data'\] must be mesh axes other"):
-        jaxsync.train_step(tp_loss, optax.sgd(0.1), mesh, "zero", loss_axes="data").init(params)
+    with pytest.raises(ValueError, match=r"`loss_axes` \('data',\) names data axes"):
+        jaxsync.train_step(tp_loss, optax.sgd(0.1), mesh, "zero", loss_axes="data")
+    with pytest.raises(ValueError, match=r"`loss_axes` \['seq'\] are not axes of the mesh"):
+        jaxsync.train_step(tp_loss, optax.sgd(0.1), mesh, "zero", loss_axes="seq")
 
 
 def test_size_one_axes_and_used_axes_pass():

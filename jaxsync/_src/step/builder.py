@@ -132,6 +132,18 @@ def train_step(
         raise TypeError(f"`mesh` must be a jax.sharding.Mesh (jax.make_mesh), got {mesh!r}.")
     axes = normalize_axes(axis_name)
     mesh_axes_size(mesh, axes, "jaxsync.train_step")
+    loss_axes = () if loss_axes == () else normalize_axes(loss_axes)
+    missing = [a for a in loss_axes if a not in mesh.axis_names]
+    if missing:
+        raise ValueError(
+            f"`loss_axes` {missing} are not axes of the mesh; it has axes {dict(mesh.shape)}."
+        )
+    if set(loss_axes) & set(axes):
+        raise ValueError(
+            f"`loss_axes` {loss_axes} names data axes {tuple(a for a in loss_axes if a in axes)}"
+            f" (axis_name={axis_name!r}): the batch is split over those already; name only the "
+            "axes the loss itself works over."
+        )
     if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
         raise ValueError(f"`microbatches` must be a positive int, got {microbatches!r}.")
     check_loss_scale(loss_scale)
@@ -173,7 +185,7 @@ def train_step(
         has_aux=has_aux,
         aux_reduce=aux_rules,
         state_reduce=state_rules,
-        loss_axes=() if loss_axes == () else normalize_axes(loss_axes),
+        loss_axes=loss_axes,
     )
 
 
