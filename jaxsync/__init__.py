@@ -77,6 +77,9 @@ from jaxsync._src.step.models.nnx_bridge import scan_layers as scan_layers
 from jaxsync._src.step.modes import DDP as DDP
 from jaxsync._src.step.modes import FSDP as FSDP
 from jaxsync._src.step.modes import ZeRO as ZeRO
+from jaxsync._src.step.replicas import ReplicaMismatch as ReplicaMismatch
+from jaxsync._src.step.replicas import ReplicaReport as ReplicaReport
+from jaxsync._src.step.replicas import replica_check as replica_check
 from jaxsync._src.step.skips import AlwaysSkippedWarning as AlwaysSkippedWarning
 from jaxsync._src.step.step import TrainStep as TrainStep
 from jaxsync._src.step.train_state import TrainState as TrainState
@@ -120,6 +123,9 @@ __all__ = [
     "MemoryReport",
     "PeakBuffer",
     "memory_report",
+    "ReplicaMismatch",
+    "ReplicaReport",
+    "replica_check",
     "KernelBytes",
     "TrafficReport",
     "hbm_bytes",
