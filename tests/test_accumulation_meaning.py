@@ -253,3 +253,12 @@ def test_normalize_microbatch_with_stacked_layers(mesh8, mode):
         lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6),
         step.params(state), want,
     )  # fmt: skip
+
+
+def test_distributed_optimizer_refuses_multi_steps_beside_its_clip():
+    """The explicit path's same trap: its clip ran on each call's reduced gradient."""
+    with pytest.raises(ValueError, match=r"accumulate_grads.*inner=opt, clip_grad_norm=c"):
+        jaxsync.distributed_optimizer(
+            optax.MultiSteps(optax.sgd(LR), K), axis_name="data", clip_grad_norm=CLIP
+        )
+    jaxsync.distributed_optimizer(optax.sgd(LR), axis_name="data", clip_grad_norm=CLIP)

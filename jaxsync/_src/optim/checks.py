@@ -6,11 +6,13 @@ silently wrong; these raise at trace time instead, naming the param or the buffe
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import jax
 import numpy as np
 
+from ..core.introspect import multi_steps_of
 from ..core.validate import check_bool, check_float_dtype, check_positive
 from ..deterministic.units import UnitGrads
 from ..layout.layout import Layout
@@ -94,6 +96,24 @@ def _key_text(key: Any) -> str:
 
 
 # ------------------------------------------------------ distributed optimizer
+MULTI_STEPS_CLIP = (
+    "jaxsync.distributed_optimizer: `inner` holds optax.MultiSteps and `clip_grad_norm` is "
+    "given: the optimizer clips each call's reduced gradient, one microbatch's, before "
+    "MultiSteps accumulates it, which is not what optax.MultiSteps(optax.chain("
+    "optax.clip_by_global_norm(c), opt), k) trains (the clip of the accumulated mean). "
+    "Drop MultiSteps: accumulate in the step with `jaxsync.accumulate_grads(loss_fn, "
+    "params, microbatches, axis_name=...)` (each device's rows as [k, rows / k, ...]) and "
+    "pass `inner=opt, clip_grad_norm=c`; with `jaxsync.train_step`, `microbatches=k`."
+)
+
+
+def check_multi_steps_clip(inner: Any, clip_grad_norm: Any) -> None:
+    """``clip_grad_norm`` beside an ``optax.MultiSteps`` would clip every microbatch."""
+    txs = inner.values() if isinstance(inner, Mapping) else (inner,)
+    if clip_grad_norm is not None and any(multi_steps_of(t) is not None for t in txs):
+        raise ValueError(MULTI_STEPS_CLIP)
+
+
 def check_optimizer_args(
     clip_grad_norm: Any, reduce_dtype: Any, check_elementwise: Any, rules: Any
 ) -> float | None:

@@ -30,7 +30,7 @@ from ..layout.placement import check_bucket_size, normalize_stacked
 from ..sync.collectives import bucket_reduce_scatter, gather_params
 from ..sync.finalize import SyncRules
 from ..sync.scan_sync import ShardedGrads
-from .checks import check_optimizer_args, check_update
+from .checks import check_multi_steps_clip, check_optimizer_args, check_update
 from .loss_scale import LossScale, active_scale, check_loss_scale, update_loss_scale
 from .metrics import next_metrics
 from .plan import Labels, Plan
@@ -254,6 +254,7 @@ def distributed_optimizer(
             "transformation."
         )
     clip_grad_norm = check_optimizer_args(clip_grad_norm, reduce_dtype, check_elementwise, rules)
+    check_multi_steps_clip(inner, clip_grad_norm)
     bucket_size = check_bucket_size(bucket_size)
     check_loss_scale(loss_scale)
     stacked = normalize_stacked(stacked)
