@@ -202,6 +202,8 @@ def test_a_key_in_the_batch_is_refused_naming_key(mesh8):
     x, y = data(1)[0]
     with pytest.raises(ValueError, match=r"step\(state, batch, key=key\)"):
         step(step.init(init_params()), (x, y, jax.random.key(0)))
+    with pytest.raises(ValueError, match=r"step\(state, batch, key=key\)"):  # raw uint32[2]
+        step(step.init(init_params()), (x, y, jax.random.PRNGKey(0)))
 
 
 def test_a_loss_without_a_key_argument_is_refused(mesh8):
@@ -229,3 +231,25 @@ def test_deterministic_pieces_are_units_the_same_bits_at_every_dp_size():
             state, _ = step(state, b, key=key)
         bits.append(np.asarray(step.params(state)["w"]).view(np.uint32))
     np.testing.assert_array_equal(bits[0], bits[1])
+
+
+@pytest.mark.parametrize("mode", ["zero", "fsdp"])
+def test_a_2d_mesh_folds_the_data_rank(mode):
+    """(data=4, model=2), the kernel split over "model": pieces are the data ranks'
+    microbatches; the model axis draws the same numbers (it holds the same rows)."""
+    from jax.sharding import AxisType, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+    params = {"w": jax.device_put(init_params()["w"], NamedSharding(mesh, P(None, "model")))}
+    bs, ks = data(), keys()
+    step = jaxsync.train_step(key_loss, optax.sgd(LR), mesh, mode, microbatches=2, has_aux=True)
+    state = step.init(params)
+    masks = []
+    for b, key in zip(bs, ks, strict=True):
+        state, (_, mask) = step(state, b, key=key)
+        masks.append(np.asarray(mask))
+    want, want_masks = reference(key_loss, init_params(), bs, ks, 8, jax.random.fold_in)
+    for got, exp in zip(masks, want_masks, strict=True):
+        np.testing.assert_array_equal(got, exp)
+    np.testing.assert_allclose(step.params(state)["w"], want["w"], rtol=1e-5, atol=1e-6)

@@ -108,11 +108,20 @@ def _check_arity(loss_fn: Any) -> None:
 
 
 def check_batch_keys(batch: Any) -> None:
-    """A typed PRNG key in the batch is refused, saying to pass it as ``key=``."""
-    for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]:
+    """A PRNG key in the batch is refused, saying to pass it as ``key=``: a typed key,
+    or a raw ``uint32[2]`` one where the other leaves have other rows (the rows check
+    would say to take it out of the batch, and closed over it is every device's)."""
+    leaves = jax.tree_util.tree_flatten_with_path(batch)[0]
+    rows = {np.shape(x)[0] for _, x in leaves if np.ndim(x)}
+    for path, x in leaves:
         dtype = getattr(x, "dtype", None)
-        if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
-            what = f"shape {tuple(x.shape)}, {dtype}"
+        typed = dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+        raw = (
+            dtype is not None and not typed and np.dtype(dtype) == np.uint32
+            and np.shape(x) == (2,) and rows != {2}
+        )  # fmt: skip
+        if typed or raw:
+            what = f"shape {tuple(np.shape(x))}, {dtype}"
             leaf = jax.tree_util.keystr(path) or "(the batch)"
             raise ValueError(KEY_IN_BATCH.format(leaf=leaf, what=what))
 
