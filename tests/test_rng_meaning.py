@@ -54,7 +54,7 @@ def reference(loss, params, bs, ks, pieces, fold):
             ms.append(m)
         g = jax.tree.map(lambda *x: sum(x) / pieces, *grads)
         params = jax.tree.map(lambda w, d: w - LR * d, params, g)
-        masks.append(np.concatenate(ms))
+        masks.append(None if ms[0] is None else np.concatenate(ms))
     return params, masks
 
 
@@ -253,3 +253,70 @@ def test_a_2d_mesh_folds_the_data_rank(mode):
     for got, exp in zip(masks, want_masks, strict=True):
         np.testing.assert_array_equal(got, exp)
     np.testing.assert_allclose(step.params(state)["w"], want["w"], rtol=1e-5, atol=1e-6)
+
+
+class DropBlock(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.lin = nnx.Linear(6, 6, rngs=rngs)
+        self.drop = nnx.Dropout(RATE, rngs=rngs)
+
+    def __call__(self, x):
+        return x + self.drop(jnp.tanh(self.lin(x)))
+
+
+class Stacked(nnx.Module):
+    """Three DropBlocks stacked by nnx.vmap (a key per layer), run by scan_layers."""
+
+    def __init__(self):
+        @nnx.split_rngs(splits=3)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def stack(rngs: nnx.Rngs) -> DropBlock:
+            return DropBlock(rngs)
+
+        self.blocks = stack(nnx.Rngs(0))
+        self.out = nnx.Linear(6, 4, rngs=nnx.Rngs(1))
+
+    def __call__(self, x):
+        return self.out(jaxsync.scan_layers(self.blocks, lambda b, h: b(h), x, remat=False))
+
+
+def stacked_loss(model, batch):
+    x, y = batch
+    return jnp.mean((model(x) - y) ** 2)
+
+
+def test_stacked_nnx_layers_fold_each_layers_key():
+    """Scanned layers keep a key per layer (``[3]``): each is folded with the piece."""
+    mesh = jax.make_mesh((8,), ("data",))
+    bs = data()
+    step = jaxsync.train_step(stacked_loss, optax.sgd(LR), mesh, "zero", stacked="blocks")
+    state = step.init(Stacked())
+    for b in bs:
+        state, _ = step(state, b)
+
+    graphdef, pst, rst = nnx.split(Stacked(), nnx.Param, ...)
+    params, rest = nnx.to_pure_dict(pst), nnx.to_pure_dict(rst)
+    is_key = lambda x: jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)  # noqa: E731
+
+    def loss(params, batch, rest):
+        p, r = jax.tree.map(lambda v: v, pst), jax.tree.map(lambda v: v, rst)
+        nnx.replace_by_pure_dict(p, params)
+        nnx.replace_by_pure_dict(r, rest)
+        return stacked_loss(nnx.merge(graphdef, p, r), batch), None
+
+    for i, b in enumerate(bs):
+
+        def fold(_, p, i=i):
+            def one(x):
+                if is_key(x):
+                    return jax.vmap(lambda k: jax.random.fold_in(k, p))(x.reshape(-1)).reshape(
+                        x.shape
+                    )
+                return jnp.full_like(x, i)  # every stream's count: i calls so far
+
+            return jax.tree.map(one, rest)
+
+        params, _ = reference(loss, params, [b], [None], 8, fold)
+    got = step.params(state)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(params), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
