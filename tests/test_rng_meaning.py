@@ -320,3 +320,27 @@ def test_stacked_nnx_layers_fold_each_layers_key():
     got = step.params(state)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(params), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+class BnDrop(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = nn.BatchNorm(use_running_average=False)(x)
+        return nn.Dense(4)(nn.Dropout(RATE, deterministic=False)(x))
+
+
+def test_linen_collections_take_the_key_too(mesh8):
+    """``loss_fn(variables, batch, key)`` with linen collections; ``lower`` takes the key."""
+    model, (x, y) = BnDrop(), data(1)[0]
+    variables = model.init(jax.random.key(0), x)
+
+    def loss(variables, batch, key):
+        out, new = model.apply(variables, batch[0], rngs={"dropout": key}, mutable=["batch_stats"])
+        return jnp.mean((out - batch[1]) ** 2), new
+
+    step = jaxsync.train_step(loss, optax.sgd(LR), mesh8, "ddp", microbatches=2)
+    state = step.init(variables["params"], model_state={"batch_stats": variables["batch_stats"]})
+    step.lower(state, (x, y), key=jax.random.key(1)).compile()
+    state, got = step(state, (x, y), key=jax.random.key(1))
+    assert np.isfinite(float(got))
+    assert np.all(np.isfinite(np.asarray(state.model_state["batch_stats"]["BatchNorm_0"]["mean"])))

@@ -221,19 +221,24 @@ class TrainStep:
     def lower(self, state: TrainState, batch: PyTree, *, key: Any = None) -> Any:
         """The step lowered for ``state`` and ``batch`` (``.compile()``, then e.g.
         :func:`jaxsync.overlap_report` or ``.memory_analysis()``)."""
-        fn = self._fn(self._plan(state, "TrainStep.lower"), key)
-        return fn.lower(state, self.place(batch))
+        jitted, extra = self._jitted(self._plan(state, "TrainStep.lower"), key)
+        return jitted.lower(state, self.place(batch), *extra)
 
     def _fn(self, plan: Plan, key: Any) -> Callable[[Any, Any], Any]:
         """The step's ``fn(state, batch)``: the plan's, or with ``key``, the keyed one."""
+        jitted, extra = self._jitted(plan, key)
+        return jitted if not extra else lambda state, batch: jitted(state, batch, *extra)
+
+    def _jitted(self, plan: Plan, key: Any) -> tuple[Any, tuple[Any, ...]]:
+        """``(jitted step, its arguments after state and batch)``: with ``key``, the
+        program that takes the key's data (built once per plan and kind of key)."""
         if key is None:
-            return plan.fn
+            return plan.fn, ()
         data, kind = check_key(key, self.loss_fn)
         cache = (id(plan), kind)
         if cache not in self._keyed:
             self._keyed[cache] = self._build(plan, kind)
-        jitted = self._keyed[cache]
-        return lambda state, batch: jitted(state, batch, data)
+        return self._keyed[cache], (data,)
 
     def place(self, batch: PyTree) -> PyTree:
         """``batch`` sharded over the data axes (rows per device must split into
