@@ -199,11 +199,7 @@ def overlap_report(compiled_or_text: Any) -> OverlapReport:
       >>> assert not report.in_entry("reduce-scatter")  # all inside the backward loop
       >>> print(report)
     """
-    if not isinstance(compiled_or_text, str) and not hasattr(compiled_or_text, "as_text"):
-        raise TypeError(_NOT_HLO.format(got=type(compiled_or_text).__name__))
-    text = compiled_or_text if isinstance(compiled_or_text, str) else compiled_or_text.as_text()
-    if "HloModule" not in text:
-        raise ValueError(_NOT_HLO.format(got=text.strip()[:60] + "..."))
+    text = hlo_text(compiled_or_text)
     comps, entry = _parse(text)
     scheduled = bool(re.search(r"^HloModule\b[^\n]*\bis_scheduled=true", text, re.M))
     loops = _loop_context(comps, entry)
@@ -221,6 +217,16 @@ def overlap_report(compiled_or_text: Any) -> OverlapReport:
             if site is not None:
                 sites.append(site)
     return OverlapReport(collectives=tuple(sites), scheduled=scheduled)
+
+
+def hlo_text(compiled_or_text: Any) -> str:
+    """The optimized HLO text of a ``jax.stages.Compiled`` (or that text), checked."""
+    if not isinstance(compiled_or_text, str) and not hasattr(compiled_or_text, "as_text"):
+        raise TypeError(_NOT_HLO.format(got=type(compiled_or_text).__name__))
+    text = compiled_or_text if isinstance(compiled_or_text, str) else compiled_or_text.as_text()
+    if "HloModule" not in text:
+        raise ValueError(_NOT_HLO.format(got=text.strip()[:60] + "..."))
+    return text
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ import re
 from typing import Any, NamedTuple
 
 from .hlo import _ARRAY, _DTYPE_BYTES
-from .overlap import _NOT_HLO, _loop_context, _parse
+from .overlap import _loop_context, _parse, hlo_text
 
 _PLUMBING = frozenset({
     "parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all",
@@ -124,12 +124,7 @@ def hbm_bytes(compiled_or_text: Any) -> TrafficReport:
       >>> report = jaxsync.hbm_bytes(step.lower(state, batch).compile())
       >>> print(report.total / 1e9, "GB per step", report.by_kind())
     """
-    if not isinstance(compiled_or_text, str) and not hasattr(compiled_or_text, "as_text"):
-        raise TypeError(_NOT_HLO.format(got=type(compiled_or_text).__name__))
-    text = compiled_or_text if isinstance(compiled_or_text, str) else compiled_or_text.as_text()
-    if "HloModule" not in text:
-        raise ValueError(_NOT_HLO.format(got=text.strip()[:60] + "..."))
-    comps, entry = _parse(text)
+    comps, entry = _parse(hlo_text(compiled_or_text))
     loops = _loop_context(comps, entry)
     # Computations run inside a kernel: fused ones, and the reductions an op applies.
     fused = {
