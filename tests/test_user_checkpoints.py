@@ -123,3 +123,15 @@ def test_jaxsync_save_state_moves_the_state_between_sizes(tmp_path):
     restored, got = step4(restored, batch())
     state, want = step8(state, batch())
     np.testing.assert_allclose(float(got), float(want), rtol=1e-5)
+
+
+def test_a_checkpoint_without_the_tag_is_named(tmp_path):
+    """A state saved before the tag existed restores with ``layout=None`` (orbax keeps
+    the saved structure): named as such, with the ways forward."""
+    step8, state = trained("fsdp", True, steps=1)
+    ckpt = save(state._replace(layout=None), tmp_path / "c", ocp.StandardCheckpointer)
+    restored = ckpt.restore(tmp_path / "c", step8.abstract_state(params()))
+    with pytest.raises(ValueError, match=r"no shard layout tag.*restore_state"):
+        step8(restored, batch())
+    restored = restored._replace(layout=step8.init(params()).layout)  # saved at this layout
+    step8(restored, batch())

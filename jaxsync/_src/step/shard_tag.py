@@ -44,9 +44,13 @@ WRONG_LAYOUT = (
     "one was ({saved})."
 )
 NO_TAG = (
-    "{fn}: `state.layout` is {got}, not the int32 [2] array this step's states carry "
-    "(the layout the shards were cut for). Restore into the state `step.init` or "
-    "`step.abstract_state` returns, all of its fields."
+    "{fn}: this state has no shard layout tag (`state.layout` is {got}): it was saved "
+    "before jaxsync kept the layout in the state, or built by hand, so whether its shards "
+    "were cut for this step's layout cannot be checked. Restore it into a step built as "
+    "the saved one was (the same data-parallel size) and move it with "
+    "`jaxsync.Checkpointer(dir).save_state(step, state)` / `restore_state`; or, if it was "
+    "saved by a step of this very layout, `state = state._replace(layout=step.init("
+    "params).layout)`."
 )
 
 
@@ -89,6 +93,13 @@ def _sizes(tag: np.ndarray) -> str:
     return (
         "a layout independent of the data-parallel size" if n == 0 else f"{n} data-parallel devices"
     )
+
+
+def check_untagged(state: Any, fn: str) -> None:
+    """A state without the tag (``layout=None``: an older checkpoint) is named as such
+    (it matches no plan of the step)."""
+    if getattr(state, "layout", 0) is None:
+        raise ValueError(NO_TAG.format(fn=fn, got="None"))
 
 
 def check_tag(step: Any, state: Any, fn: str) -> None:

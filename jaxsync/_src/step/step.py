@@ -56,7 +56,7 @@ from .models.nnx_bridge import is_graphdef, is_module, merge_split, split_model
 from .modes import DDP, Mode, deterministic_of
 from .parts import Plan
 from .rng import KeyKind, check_batch_keys, check_key, keyed
-from .shard_tag import check_tag, remember, tagged
+from .shard_tag import check_tag, check_untagged, remember, tagged
 from .train_state import TrainState
 from .two_d.plan import project, spec_layout, spec_master, spec_params
 from .xla_options import step_compiler_options
@@ -258,6 +258,7 @@ class TrainStep:
             )
         plan = self._plans.get(signature(state))
         if plan is None:
+            check_untagged(state, fn)
             raise ValueError(
                 f"{fn}: this state's structure, shapes or shardings match no `init` of this "
                 "TrainStep. Build the state with `step.init(params_or_module)` (a restored "
