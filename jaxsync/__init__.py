@@ -45,6 +45,9 @@ from jaxsync._src.gpu.timings import ScheduleReport as ScheduleReport
 from jaxsync._src.gpu.traffic import KernelBytes as KernelBytes
 from jaxsync._src.gpu.traffic import TrafficReport as TrafficReport
 from jaxsync._src.gpu.traffic import hbm_bytes as hbm_bytes
+from jaxsync._src.integrity.replicas import ReplicaMismatch as ReplicaMismatch
+from jaxsync._src.integrity.replicas import ReplicaReport as ReplicaReport
+from jaxsync._src.integrity.replicas import replica_check as replica_check
 from jaxsync._src.layout.layout import Layout as Layout
 from jaxsync._src.layout.ownership import WholeMatrices as WholeMatrices
 from jaxsync._src.layout.ownership import whole_matrices as whole_matrices
@@ -77,14 +80,11 @@ from jaxsync._src.step.models.nnx_bridge import scan_layers as scan_layers
 from jaxsync._src.step.modes import DDP as DDP
 from jaxsync._src.step.modes import FSDP as FSDP
 from jaxsync._src.step.modes import ZeRO as ZeRO
-from jaxsync._src.step.replicas import ReplicaMismatch as ReplicaMismatch
-from jaxsync._src.step.replicas import ReplicaReport as ReplicaReport
-from jaxsync._src.step.replicas import replica_check as replica_check
+from jaxsync._src.step.pieces.weighted import WeightedLoss as WeightedLoss
+from jaxsync._src.step.pieces.weighted import weighted_loss as weighted_loss
 from jaxsync._src.step.skips import AlwaysSkippedWarning as AlwaysSkippedWarning
 from jaxsync._src.step.step import TrainStep as TrainStep
 from jaxsync._src.step.train_state import TrainState as TrainState
-from jaxsync._src.step.weighted import WeightedLoss as WeightedLoss
-from jaxsync._src.step.weighted import weighted_loss as weighted_loss
 from jaxsync._src.sync.collectives import bucket_all_gather as bucket_all_gather
 from jaxsync._src.sync.collectives import bucket_all_reduce as bucket_all_reduce
 from jaxsync._src.sync.collectives import bucket_reduce_scatter as bucket_reduce_scatter

@@ -21,10 +21,10 @@ from ..core.validate import check_bool, check_positive
 from ..layout.placement import normalize_stacked
 from ..optim.loss_scale import LossScale, check_loss_scale
 from .checks import labeled_tx
-from .meaning import AUX_RULES, STATE_RULES, check_rules
 from .modes import Mode, deterministic_of, mode_of
+from .pieces.meaning import AUX_RULES, STATE_RULES, check_rules
+from .pieces.weighted import WeightedLoss
 from .step import TrainStep
-from .weighted import WeightedLoss
 
 
 def train_step(

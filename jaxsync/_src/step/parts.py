@@ -19,14 +19,14 @@ from ..core.cpu_order import on_cpu
 from ..core.validate import check_loss
 from ..optim.loss_scale import active_scale
 from ..sync.views import is_view, trace_views
-from .meaning import check_aux, piece_rows, reduce_aux, reduce_state, stack_one, state_rules
 from .models import collections
 from .models.boxes import box_constraints_on_free_axes
 from .models.nnx_bridge import ModelDef
 from .modes import deterministic_of
-from .rng import fold_model_keys, keep_model_keys, piece_args, rng_key_paths, user_batch
+from .pieces.meaning import check_aux, piece_rows, reduce_aux, reduce_state, stack_one, state_rules
+from .pieces.rng import fold_model_keys, keep_model_keys, piece_args, rng_key_paths, user_batch
+from .pieces.weighted import piece_factor, piece_weight, weight_factor
 from .train_state import GuardState, TrainState, guarded_update
-from .weighted import piece_factor, piece_weight, weight_factor
 
 PyTree = Any
 

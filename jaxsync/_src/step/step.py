@@ -55,7 +55,7 @@ from .models.collections import check_collections
 from .models.nnx_bridge import is_graphdef, is_module, merge_split, split_model
 from .modes import DDP, Mode, deterministic_of
 from .parts import Plan
-from .rng import KeyKind, check_batch_keys, check_key, keyed
+from .pieces.rng import KeyKind, check_batch_keys, check_key, keyed
 from .shard_tag import check_tag, check_untagged, remember, tagged
 from .train_state import TrainState
 from .two_d.plan import project, spec_layout, spec_master, spec_params

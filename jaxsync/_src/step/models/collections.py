@@ -7,7 +7,7 @@ collections at ``init(params, model_state={"batch_stats": bs})``, hands the loss
 whole variables dict and keeps what the loss returns, as flax's own examples write
 it: ``loss_fn(variables, batch) -> (loss, new_collections)``, or with ``has_aux``
 ``(loss, (new_collections, aux))``. The state then follows the rules of
-:mod:`jaxsync._src.step.meaning` (``batch_stats``: a mean over devices and
+:mod:`jaxsync._src.step.pieces.meaning` (``batch_stats``: a mean over devices and
 microbatches).
 """
 

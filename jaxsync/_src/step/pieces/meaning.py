@@ -25,8 +25,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..core.axes import to_varying, varying_axes
-from ..core.names import group_of, param_name
+from ...core.axes import to_varying, varying_axes
+from ...core.names import group_of, param_name
 
 PyTree = Any
 
@@ -192,7 +192,7 @@ def state_rules(
     type (an NNX module) or its collection (linen: ``batch_stats``) implies (None:
     keep only if it is the same on every device)."""
     if model is None:
-        from .models.collections import collection_rule
+        from ..models.collections import collection_rule
 
         leaves = jax.tree_util.tree_flatten_with_path(model_state or {})[0]
         names = [(param_name(p), x.dtype) for p, x in leaves]

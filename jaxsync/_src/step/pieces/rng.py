@@ -137,11 +137,11 @@ def rng_key_paths(model: Any) -> tuple[tuple[Any, ...], ...]:
 
 def pieces_per_device(cfg: Any) -> int:
     """How many loss calls (pieces) each device's rows are cut into."""
-    from .modes import deterministic_of
+    from ..modes import deterministic_of
 
     det = deterministic_of(cfg.mode)
     if det is not None:
-        from ..deterministic.units import units_per_device
+        from ...deterministic.units import units_per_device
 
         return units_per_device(det, cfg.axis_name, "jaxsync.train_step")
     return cfg.microbatches

@@ -1,0 +1,1 @@
+"""Telling hardware faults from numerical ones: replicas compared bit for bit."""
