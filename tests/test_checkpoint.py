@@ -187,11 +187,13 @@ def test_conversion_compiles_once_per_model_and_mesh(setup):
     params, tx, batches = setup
     m = mesh_of(4)
     state = tx.sharded_init(params, m)
-    before = len(portable._PROGRAMS)
+    # The cache keeps 64 programs: after a long run of other tests a new entry evicts
+    # an old one and its size stays put, so start it empty.
+    portable._PROGRAMS.clear()
     first = tx.to_portable(state, params, m)
     p2, s2 = trainer(m, tx, params)(params, state, batches, 0, 1)
     second = tx.to_portable(s2, p2, m)  # a later save: same program, new values
-    assert len(portable._PROGRAMS) == before + 1
+    assert len(portable._PROGRAMS) == 1
     assert not np.array_equal(
         np.asarray(first["master"]["layer0.w"]), np.asarray(second["master"]["layer0.w"])
     )
