@@ -446,12 +446,14 @@ def test_nonfinite_step_is_skipped_and_named(mesh8):
     assert float(state.loss_scale.scale) == 1.0
 
 
-def test_probe_rejects_muon_on_flat_shards_and_names_the_route(mesh8):
+def test_bare_muon_is_owned_whole_not_refused(mesh8):
+    """A bare optax.contrib.muon routes each param itself: it runs as written, every
+    param owned whole (it was refused on flat shards; tests/test_muon_as_is.py)."""
     params = mlp_params(jax.random.PRNGKey(0))
     tx = jaxsync.distributed_optimizer(optax.contrib.muon(0.02), axis_name="data")
-    with pytest.raises(ValueError, match="not elementwise") as e:
-        tx.sharded_init(params, mesh8)
-    assert "jaxsync.whole_matrices" in str(e.value) and "labels=" in str(e.value)
+    tx.sharded_init(params, mesh8)
+    report = jaxsync.ownership_report(tx, params, mesh8)
+    assert len(report.matrices) == len(jax.tree.leaves(params))
 
 
 def test_deterministic_mode_rejects_owned_params():

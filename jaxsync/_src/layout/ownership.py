@@ -64,6 +64,7 @@ class WholeMatrices:
 
     inner: optax.GradientTransformation
     cost: Cost = "muon"
+    tree: bool = False
 
     @property
     def init(self) -> Callable[..., Any]:
@@ -74,6 +75,23 @@ class WholeMatrices:
         return self.inner.update
 
     def cost_of(self, shape: tuple[int, ...]) -> float:
+        return cost_fn(self.cost)(shape)
+
+    @property
+    def owned(self) -> Cost | WholeLeaves:
+        """What the layout's buffer key carries: the cost, or for ``tree`` the
+        cost marked so that a stacked param is owned whole (not per layer)."""
+        return WholeLeaves(self.cost) if self.tree else self.cost
+
+
+@dataclasses.dataclass(frozen=True)
+class WholeLeaves:
+    """The ownership cost of a ``tree`` optimizer: every param owned whole, a stacked
+    ``[L, ...]`` one too (its optimizer was written for that shape)."""
+
+    cost: Cost
+
+    def __call__(self, shape: tuple[int, ...]) -> float:
         return cost_fn(self.cost)(shape)
 
 
@@ -88,7 +106,9 @@ def cost_fn(cost: Cost) -> Callable[[tuple[int, ...]], float]:
     return COSTS[cost]
 
 
-def whole_matrices(inner: optax.GradientTransformation, *, cost: Cost = "muon") -> WholeMatrices:
+def whole_matrices(
+    inner: optax.GradientTransformation, *, cost: Cost = "muon", tree: bool = False
+) -> WholeMatrices:
     """Marks ``inner`` to run on whole params, each owned by one data-parallel rank.
 
     Use it as the transformation of a label in
@@ -105,6 +125,15 @@ def whole_matrices(inner: optax.GradientTransformation, *, cost: Cost = "muon") 
       cost: how owners are balanced: ``"muon"`` (Newton-Schulz, ``m*n*min(m, n)``),
         ``"elementwise"`` (``m*n``: adafactor), ``"shampoo"`` (``m**3 + n**3``), or
         a function of the matrix shape.
+      tree: ``inner`` is written for the param tree and routes each param itself
+        (``optax.contrib.muon(..., muon_weight_dimension_numbers=...)``: Newton-Schulz
+        where the dimension numbers say, its own Adam elsewhere). Each param is then
+        owned whole, a stacked ``[L, m, n]`` one too, and handed to ``inner`` in the
+        param tree with every other param masked (``optax.MaskedNode``), as
+        ``optax.multi_transform`` hands it on one device; so the dimension numbers
+        stay valid. ``inner`` must still treat each param on its own.
+        ``jaxsync.train_step`` and ``jaxsync.distributed_optimizer`` wrap a bare
+        ``optax.contrib.muon`` this way by themselves.
 
     Example:
       >>> tx = jaxsync.distributed_optimizer(
@@ -118,7 +147,9 @@ def whole_matrices(inner: optax.GradientTransformation, *, cost: Cost = "muon") 
     if coupled:
         raise ValueError(WHOLE_COUPLED.format(found=", ".join(f"optax.{c}" for c in coupled)))
     cost_fn(cost)
-    return WholeMatrices(inner, cost)
+    if not isinstance(tree, bool):
+        raise TypeError(f"`tree` must be True or False, got {tree!r}.")
+    return WholeMatrices(inner, cost, tree)
 
 
 def lpt(
@@ -162,6 +193,8 @@ def place_owned(
     """
     key = specs[members[0]][3]
     cost = cost_fn(key.owned)
+    if isinstance(key.owned, WholeLeaves):  # a stacked param is one unit, [L, ...] whole
+        specs = [(*s[:4], 0) for s in specs]
     units = []  # (member, layer or None, row shape)
     for i in members:
         _, shape, _, _, layers = specs[i]

@@ -51,25 +51,24 @@ NOT_ELEMENTWISE = (
     "that need whole matrices (optax.contrib.muon, factored adafactor, lamb, lars, "
     "Shampoo) cannot run on flat shards: with `jaxsync.distributed_optimizer`, route "
     "their params by `labels=` to `jaxsync.whole_matrices(tx)` (each matrix is then "
-    "owned whole by one rank; for Muon e.g. `labels=jaxsync.muon_labels` with "
-    "`{{'muon': jaxsync.whole_matrices(optax.contrib.muon(lr)), 'adamw': optax.adamw(lr)}}`). "
+    "owned whole by one rank). `optax.contrib.muon` itself needs none of this: "
+    "`jaxsync.train_step` in 'zero' and 'fsdp' and `jaxsync.distributed_optimizer` run "
+    "it as you wrote it, with its own dimension numbers. "
     "To skip this check (at your own risk) pass `check_elementwise=False` to "
     "`jaxsync.distributed_optimizer` or `FullyShard.init_optimizer` (the explicit path; "
     "`train_step` always probes)."
 )
 MUON_ON_SHARDS = (
     "the optimizer for {what} is optax.contrib.muon, which is not elementwise: it "
-    "orthogonalizes whole matrices (and runs Adam on the rest by its own dimension "
-    "numbers), which flat shards cut apart "
-    "({detail}). Route the params by label instead, and drop "
-    "`muon_weight_dimension_numbers` (the labels say which params are matrices):\n"
-    "    tx = {{'muon': jaxsync.whole_matrices(optax.contrib.muon(lr)), "
-    "'adamw': optax.adamw(lr)}}\n"
-    "    labels = functools.partial(jaxsync.muon_labels, stacked=...)  # hidden 2-D "
-    "matrices, [L, m, n] in stacked groups -> 'muon'; the rest -> 'adamw'\n"
-    "    step = jaxsync.train_step(loss_fn, tx, mesh, 'zero', labels=labels, stacked=...)\n"
-    "Each matrix is then owned whole by one rank (jaxsync.distributed_optimizer(tx, "
-    "labels=labels, ...) on the explicit path)."
+    "orthogonalizes whole matrices (and runs its own Adam on the rest, by its dimension "
+    "numbers), which the flat shards here cut apart ({detail}). Keep the optimizer as "
+    "it is and let jaxsync hand it whole params: `jaxsync.train_step(loss_fn, tx, mesh, "
+    "jaxsync.ZeRO(), stacked=...)` with the same `tx` (and the same `labels`, if any) "
+    "owns each param whole on one rank and hands it to muon in the param tree, so its "
+    "dimension numbers hold and it trains what it trains on one device; "
+    "`jaxsync.FSDP()` does the same for a `tx` that is muon itself (no `labels`); "
+    "on the explicit path `jaxsync.distributed_optimizer(tx, axis_name=..., "
+    "labels=...)`."
 )
 GLOBAL_NORM_ON_SHARDS = (
     "the optimizer for {what} holds optax.clip_by_global_norm, which is not "
@@ -290,10 +289,10 @@ def _probe(
 
 
 def _not_elementwise(tx: Any, what: str, detail: str) -> str:
-    if is_muon(tx):
-        message = MUON_ON_SHARDS
-    elif _optax_global_norm_clip(tx):
+    if _optax_global_norm_clip(tx):  # first: muon beside it is not run as written
         message = GLOBAL_NORM_ON_SHARDS
+    elif is_muon(tx):
+        message = MUON_ON_SHARDS
     else:
         message = NOT_ELEMENTWISE
     return message.format(what=what, detail=detail)

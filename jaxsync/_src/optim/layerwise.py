@@ -27,8 +27,9 @@ import optax
 
 from ..core.axes import rank as axis_rank
 from ..core.axes import to_varying
+from ..core.introspect import factories, is_muon
 from ..layout.layout import Layout
-from ..layout.ownership import WholeMatrices
+from ..layout.ownership import CROSS_PARAM, WholeMatrices
 
 PyTree = Any
 
@@ -70,8 +71,39 @@ def owned_units(layout: Layout, buffer: int) -> tuple[tuple[Unit, ...], ...]:
     return tuple(tuple(sorted(u, key=lambda x: x.offset)) for u in per_rank)
 
 
-def _template(whole: WholeMatrices, shape: tuple[int, ...]) -> tuple[Any, list[Any]]:
-    state = jax.eval_shape(whole.inner.init, jax.ShapeDtypeStruct(shape, jnp.float32))
+class UnitTx(NamedTuple):
+    """``inner`` as one unit sees it: on the bare matrix, or (``tree``) in the param tree."""
+
+    init: Callable[[jax.Array], Any]
+    update: Callable[..., tuple[jax.Array, Any]]
+
+
+def unit_tx(layout: Layout, whole: WholeMatrices, u: Unit) -> UnitTx:
+    """``whole.inner`` on unit ``u`` alone. A ``tree`` optimizer (muon with its own
+    dimension numbers) gets the param tree with every other param an
+    ``optax.MaskedNode``, as ``optax.multi_transform`` hands it on one device."""
+    inner = whole.inner
+    if not whole.tree:
+        return UnitTx(inner.init, inner.update)
+    n = len(layout.slots)
+
+    def tree(x: jax.Array | None) -> Any:
+        if x is None:
+            return None
+        leaves: list[Any] = [optax.MaskedNode()] * n
+        leaves[u.slot] = x
+        return jax.tree.unflatten(layout.treedef, leaves)
+
+    def update(g: jax.Array, s: Any, m: jax.Array | None = None) -> tuple[jax.Array, Any]:
+        out, s = inner.update(tree(g), s, tree(m))
+        return jax.tree.leaves(out)[0], s
+
+    return UnitTx(lambda x: inner.init(tree(x)), update)
+
+
+def _template(layout: Layout, whole: WholeMatrices, u: Unit) -> tuple[Any, list[Any]]:
+    init = unit_tx(layout, whole, u).init
+    state = jax.eval_shape(init, jax.ShapeDtypeStruct(u.shape, jnp.float32))
     leaves, treedef = jax.tree.flatten(state)
     return treedef, leaves
 
@@ -93,9 +125,10 @@ def state_plan(layout: Layout, buffer: int, whole: WholeMatrices) -> StatePlan:
     for mine in units:
         at, defs, pos = [], [], {}
         for ui, u in enumerate(mine):
-            if u.shape not in templates:
-                templates[u.shape] = _template(whole, u.shape)
-            treedef, tl = templates[u.shape]
+            key = (u.slot if whole.tree else None, u.shape)  # tree: the state says where
+            if key not in templates:
+                templates[key] = _template(layout, whole, u)
+            treedef, tl = templates[key]
             defs.append(treedef)
             for li, leaf in enumerate(tl):
                 dt = jnp.dtype(leaf.dtype).name
@@ -173,12 +206,13 @@ def owned_transform(
     plan = state_plan(layout, buffer, whole)
     size = layout.shard_size(buffer)
     axes = layout.buffers[buffer].key.axes
-    inner = whole.inner
+    txs = [[unit_tx(layout, whole, u) for u in mine] for mine in units]
 
     def init_fn(master: jax.Array) -> dict[str, jax.Array]:
         def branch(r: int) -> Callable[..., Any]:
             def run(m: jax.Array) -> dict[str, jax.Array]:
-                return pack_states(plan, r, [inner.init(x) for x in _matrices(units[r], m)])
+                mats = _matrices(units[r], m)
+                return pack_states(plan, r, [t.init(x) for t, x in zip(txs[r], mats, strict=True)])
 
             return run
 
@@ -191,8 +225,9 @@ def owned_transform(
             def run(g: jax.Array, s: dict[str, jax.Array], m: jax.Array) -> Any:
                 gs, ms = _matrices(units[r], g), _matrices(units[r], m)
                 out, new = [], []
-                for gu, su, mu in zip(gs, unpack_states(plan, r, s), ms, strict=True):
-                    u, s2 = inner.update(gu, su, mu)
+                states = unpack_states(plan, r, s)
+                for t, gu, su, mu in zip(txs[r], gs, states, ms, strict=True):
+                    u, s2 = t.update(gu, su, mu)
                     out.append(u)
                     new.append(s2)
                 return _shard_of(units[r], out, size), pack_states(plan, r, new)
@@ -251,3 +286,15 @@ def from_portable(
         for d, vec in pack_states(plan, r, states).items():
             per_rank[d].append(vec)
     return {d: jnp.concatenate(v) for d, v in per_rank.items()}
+
+
+def as_written(tx: Any) -> Any:
+    """A bare ``optax.contrib.muon`` (with its own dimension numbers or not), run as
+    the user wrote it: every param it gets owned whole by one rank and handed to it in
+    the param tree (:func:`jaxsync.whole_matrices` with ``tree=True``), which is what
+    it computes on one device. Muon and its Adam treat each param on its own, so this
+    is exact; flat shards would cut its matrices apart. Anything else is returned as
+    it is (and probed)."""
+    if isinstance(tx, WholeMatrices) or not is_muon(tx) or factories(tx) & CROSS_PARAM:
+        return tx
+    return WholeMatrices(tx, "muon", tree=True)

@@ -31,6 +31,7 @@ from ..sync.collectives import bucket_reduce_scatter, gather_params
 from ..sync.finalize import SyncRules
 from ..sync.scan_sync import ShardedGrads
 from .checks import check_multi_steps_clip, check_optimizer_args, check_update
+from .layerwise import as_written
 from .loss_scale import LossScale, active_scale, check_loss_scale, update_loss_scale
 from .metrics import next_metrics
 from .plan import Labels, Plan
@@ -264,6 +265,8 @@ def distributed_optimizer(
             "distributed_optimizer: `deterministic=` supports plain data parallelism only; "
             f"drop `rules` ({rules!r}) and `stacked` ({stacked!r}), or drop `deterministic`."
         )
+    # muon as the user wrote it: each param owned whole, in the tree its routing reads
+    inner = {k: as_written(v) for k, v in inner.items()} if labels else as_written(inner)
     owned = [
         k
         for k, v in (inner.items() if isinstance(inner, Mapping) else [(None, inner)])

@@ -42,7 +42,9 @@ Labels = PyTree | Callable[[PyTree], PyTree] | None
 MUON_NOT_MATRIX = (
     "param {path} has shape {shape} and is routed to a `jaxsync.whole_matrices` "
     "optax.contrib.muon, which orthogonalizes 2-D matrices only: on {what} it would "
-    "silently run its Adam instead. {fix}"
+    "silently run its Adam instead. {fix} To train what optax.multi_transform trains "
+    "on one device (muon deciding by its own dimension numbers), pass the muon without "
+    "`jaxsync.whole_matrices`: it is then handed each param whole in the param tree."
 )
 OWNED_VARYING = (
     "param {path} (local shape {shape}) is routed to a `jaxsync.whole_matrices` optimizer "
@@ -127,7 +129,7 @@ class Plan:
             owned = self.owned_cost(lab)
             if owned is not None and var:
                 raise ValueError(OWNED_VARYING.format(path=path, shape=leaf.shape, axes=var))
-            if owned is not None and muon_label(lab):
+            if owned is not None and muon_label(lab) and not self.transform_of(lab).tree:
                 self._check_matrix(dotted, tuple(leaf.shape))
             return BufferKey(
                 jnp.dtype(leaf.dtype).name,
@@ -208,7 +210,7 @@ class Plan:
     def owned_cost(self, label: str | None) -> Any:
         """The ownership cost model of ``label``'s params, None where flat-sharded."""
         tx = self.transform_of(label)
-        return tx.cost if isinstance(tx, WholeMatrices) else None
+        return tx.owned if isinstance(tx, WholeMatrices) else None
 
     def inner_for(
         self, layout: Layout, buffer: int, rank: Any = None

@@ -100,10 +100,12 @@ def labeled_tx(tx: Any, labels: Any, stacked: Sequence[str] = ()) -> Any:
     as the distributed optimizer's owners do."""
     import optax
 
-    inner = {
-        k: per_matrix(v.inner, stacked) if isinstance(v, WholeMatrices) else v
-        for k, v in dict(tx).items()
-    }
+    def run(v: Any) -> Any:  # a `tree` one routes by itself, on the masked tree
+        if isinstance(v, WholeMatrices):
+            return v.inner if v.tree else per_matrix(v.inner, stacked)
+        return v
+
+    inner = {k: run(v) for k, v in dict(tx).items()}
     return optax.multi_transform(inner, checked_labels(labels, dict(tx)))
 
 

@@ -23,10 +23,12 @@ from ..core.names import group_of, param_name
 from ..core.specs import full_spec
 from ..fsdp.fully_shard import fully_shard
 from ..fsdp.held import FsdpShards
+from ..optim.layerwise import as_written
 from ..optim.loss_scale import init_loss_scale
 from ..optim.master import needs_master, with_fp32_master
 from ..optim.optimizer import distributed_optimizer
 from ..optim.state import initial_metrics
+from ..optim.whole_tree import init_whole_tree, whole_tree
 from .held import held_groups, strip
 from .modes import DDP, ZeRO
 from .parts import Plan
@@ -78,7 +80,11 @@ def make_state(
         )  # fmt: skip
         shards = fs.shard(params)
         tx = step.tx if step.labels is None else fs.multi_transform(step.tx)
-        opt_state, opt_specs = fs.init_optimizer(tx, shards, mesh)  # over the plain dict
+        if step.labels is None and as_written(tx) is not tx:  # muon as written: whole params
+            tx = whole_tree(fs, tx)
+            opt_state, opt_specs = init_whole_tree(step.tx, params, mesh, fs.axes)
+        else:
+            opt_state, opt_specs = fs.init_optimizer(tx, shards, mesh)  # over the plain dict
         # state.params says what it holds (not the params) and where they are.
         held, param_specs = FsdpShards(shards, fs.units), FsdpShards(fs.specs(), fs.units)
         n_flags = len(fs.units)
