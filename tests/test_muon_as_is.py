@@ -130,3 +130,24 @@ def test_the_fsdp_refusal_spells_a_rewrite_that_trains_the_same(mesh8):
         step.init(params)
     want = one_device(optax.multi_transform(tx, labels), params, loss)
     close(want, sharded(jaxsync.train_step(loss, tx, mesh8, jaxsync.ZeRO(), labels=labels), params))
+
+
+@pytest.mark.parametrize(("mode", "after"), [("zero", 4), ("fsdp", 8)])
+def test_a_checkpoint_continues_the_users_muon(mesh8, tmp_path, mode, after):
+    """Saved after one step on 8 devices, restored (ZeRO: on 4, ownership recomputed;
+    FSDP's replicated muon state: at the same size), two more steps: one-device muon."""
+    params, dims = params_and_dims()
+    tx = optax.contrib.muon(0.02, muon_weight_dimension_numbers=dims)
+    loss = loss_of(1.0)
+    xs, ys = batches()
+    step8 = jaxsync.train_step(loss, tx, mesh8, mode, stacked="blocks")
+    state, _ = step8(step8.init(params), (xs[0], ys[0]))
+    with jaxsync.Checkpointer(tmp_path) as ckpt:
+        ckpt.save_state(step8, state)
+    mesh = jax.make_mesh((after,), ("data",), devices=jax.devices()[:after])
+    step = jaxsync.train_step(loss, tx, mesh, mode, stacked="blocks")
+    with jaxsync.Checkpointer(tmp_path) as ckpt:
+        state = ckpt.restore_state(step, step.init(params)).state
+    for i in range(1, STEPS):
+        state, _ = step(state, (xs[i], ys[i]))
+    close(one_device(tx, params, loss), step.params(state))

@@ -11,7 +11,10 @@ keeps this rank's shard of the update. Equal to the optimizer on one device.
 
 The state is kept once per rank: every leaf gets a leading axis of the data-parallel
 size, sharded over the data axes (each device holds its own copy, ``[1, ...]``), so
-the step's shard_map passes it through as a device-varying value.
+the step's shard_map passes it through as a device-varying value. It is held as the
+tuple of ``tx``'s state leaves: its param-shaped dicts would otherwise read as FSDP's
+``{unit: shard}`` dicts (the default units are the params' top-level names) to the
+checkpoint's conversion. A checkpoint of it restores at the same data-parallel size.
 """
 
 from __future__ import annotations
@@ -66,14 +69,17 @@ def whole_tree(fs: Any, tx: optax.GradientTransformation) -> optax.GradientTrans
             out[u] = jax.lax.dynamic_slice_in_dim(full, r * size, size, axis=full.ndim - 1)
         return out
 
-    def init_fn(shards: Any) -> Any:
-        return jax.tree.map(lambda x: x[None], tx.init(tree_of(shards)))
+    def init_fn(shards: Any) -> tuple[jax.Array, ...]:
+        return tuple(x[None] for x in jax.tree.leaves(tx.init(tree_of(shards))))
 
     def update_fn(grads: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
-        mine = jax.tree.map(lambda x: x[0], state)
+        g = tree_of(grads)
+        like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), g)
+        treedef = jax.tree.structure(jax.eval_shape(tx.init, like))
+        mine = jax.tree.unflatten(treedef, [x[0] for x in state])
         whole = None if params is None else tree_of(params)
-        updates, mine = tx.update(tree_of(grads), mine, whole)
-        return shards_of(updates), jax.tree.map(lambda x: x[None], mine)
+        updates, mine = tx.update(g, mine, whole)
+        return shards_of(updates), tuple(x[None] for x in jax.tree.leaves(mine))
 
     return optax.GradientTransformation(init_fn, update_fn)
 
@@ -93,7 +99,7 @@ def init_whole_tree(
         return jnp.broadcast_to(x[None], (n, *x.shape))
 
     state = jax.jit(
-        lambda p: jax.tree.map(per_rank, tx.init(p)),
+        lambda p: tuple(per_rank(x) for x in jax.tree.leaves(tx.init(p))),
         out_shardings=NamedSharding(mesh, spec),
     )(f32)
     return state, jax.tree.map(lambda _: spec, state)
