@@ -37,6 +37,16 @@ def mlp_loss(params, batch):
     return jnp.mean((h - y) ** 2)
 
 
+def mlp_forward(params, x):
+    """:func:`mlp_params`' three-layer model (as :func:`mlp_loss` runs it, in the
+    params' dtype): its output rows."""
+    h = x
+    for i in range(3):
+        h = h @ params[f"layer{i}"]["w"] + params[f"layer{i}"]["b"]
+        h = jnp.tanh(h) if i < 2 else h
+    return h * params["scale"]
+
+
 def make_batches(key, steps, batch, sizes=(12, 33, 17, 5)):
     kx, ky = jax.random.split(key)
     xs = jax.random.normal(kx, (steps, batch, sizes[0]))

@@ -13,18 +13,11 @@ import optax
 import pytest
 from conftest import require_devices
 from helpers import make_batches, mlp_loss, mlp_params, run_reference
+from helpers import mlp_forward as forward
 
 import jaxsync
 
 ROWS = 32
-
-
-def forward(params, x):
-    h = x
-    for i in range(3):
-        h = h @ params[f"layer{i}"]["w"] + params[f"layer{i}"]["b"]
-        h = jnp.tanh(h) if i < 2 else h
-    return h * params["scale"]
 
 
 def loss_with_aux(params, batch):

@@ -12,18 +12,11 @@ import numpy as np
 import optax
 import pytest
 from helpers import make_batches, mlp_params
+from helpers import mlp_forward as forward
 
 import jaxsync
 
 ROWS = 32
-
-
-def forward(params, x):
-    h = x
-    for i in range(3):
-        h = h @ params[f"layer{i}"]["w"] + params[f"layer{i}"]["b"]
-        h = jnp.tanh(h) if i < 2 else h
-    return h * params["scale"]
 
 
 def sum_fn(p, b):
