@@ -48,6 +48,8 @@ from jaxsync._src.gpu.traffic import hbm_bytes as hbm_bytes
 from jaxsync._src.integrity.replicas import ReplicaMismatch as ReplicaMismatch
 from jaxsync._src.integrity.replicas import ReplicaReport as ReplicaReport
 from jaxsync._src.integrity.replicas import replica_check as replica_check
+from jaxsync._src.integrity.rerun import Rerun as Rerun
+from jaxsync._src.integrity.rerun import RerunReport as RerunReport
 from jaxsync._src.layout.layout import Layout as Layout
 from jaxsync._src.layout.ownership import WholeMatrices as WholeMatrices
 from jaxsync._src.layout.ownership import whole_matrices as whole_matrices
@@ -126,6 +128,8 @@ __all__ = [
     "ReplicaMismatch",
     "ReplicaReport",
     "replica_check",
+    "Rerun",
+    "RerunReport",
     "KernelBytes",
     "TrafficReport",
     "hbm_bytes",
