@@ -96,6 +96,10 @@ DEFAULTS = {
     "data": {"max_bytes": 4_000_000, "val_fraction": 0.1},
     "eval": {"every": 50, "batches": 8},
     "checkpoint": {"every": 200, "keep": 3, "async": True},
+    # Silent faults: every copy of the replicated state compared bit for bit every
+    # `replica_check_every` steps (0: never); `rerun`: a skipped or spiking step run
+    # again to tell a transient fault from a numerical event (a host read per step).
+    "integrity": {"replica_check_every": 100, "rerun": False, "loss_jump": None},
     "log_every": 25,
     "run_dir": "runs/tiny",
 }
@@ -113,6 +117,9 @@ RESUMABLE_CHANGES = {
     "train.max_consecutive_skips",
     "eval.every",
     "eval.batches",
+    "integrity.replica_check_every",
+    "integrity.rerun",
+    "integrity.loss_jump",
 }
 
 
@@ -186,6 +193,12 @@ def _check(cfg: dict, sources: dict[str, str]) -> None:
     if not isinstance(cfg["checkpoint"]["async"], bool):
         fail("checkpoint.async", "true or false", cfg["checkpoint"]["async"])
     integer("log_every", 1)
+    integer("integrity.replica_check_every", 0)
+    if not isinstance(cfg["integrity"]["rerun"], bool):
+        fail("integrity.rerun", "true or false", cfg["integrity"]["rerun"])
+    lj = cfg["integrity"]["loss_jump"]
+    if lj is not None and (isinstance(lj, bool) or not isinstance(lj, int | float) or lj <= 1):
+        fail("integrity.loss_jump", "a number > 1 or null", lj)
     if not isinstance(cfg["run_dir"], str) or not cfg["run_dir"]:
         fail("run_dir", "a directory name", cfg["run_dir"])
     t = cfg["train"]
@@ -550,9 +563,13 @@ def train(
         )
         tick, last_logged = time.perf_counter(), start
         previous = None  # the last step's skip flag, read one step late: no wait on the device
+        integrity = cfg["integrity"]
+        run_step = train_step
+        if integrity["rerun"]:  # a suspicious step run again (jaxsync.Rerun)
+            run_step = jaxsync.Rerun(train_step, loss_jump=integrity["loss_jump"])
         for step in range(start, t["steps"]):
             # this process's rows of the global batch; the step places them
-            state, loss = train_step(state, data.batch(step, t["global_batch"], rows))
+            state, loss = run_step(state, data.batch(step, t["global_batch"], rows))
             # a copy: the next step is given (donated) the state before this is read
             skipped = jnp.copy(state.metrics.skipped)
             done = step + 1
@@ -575,6 +592,16 @@ def train(
                     record["val_loss"] = float(eval_step(train_step.params(state), val_batches))
                 record["grad_norm"] = float(state.metrics.grad_norm)  # the same in both modes
                 record["skipped_steps"] = int(state.metrics.skipped_steps)
+                if integrity["rerun"]:
+                    record["reruns"] = [str(r) for r in run_step.reports]
+            every = integrity["replica_check_every"]
+            if every and (done % every == 0 or done == t["steps"]):
+                replicas = jaxsync.replica_check(train_step, state)
+                if lead:
+                    with open(metrics_path, "a") as f:
+                        f.write(json.dumps({"step": done, "replica_check": str(replicas)}) + "\n")
+                if not replicas.ok:  # diverged copies: a hardware fault, never train on
+                    raise RunStopped(f"step {done}: {replicas}")
                 history.append(record)
                 if lead:
                     with open(metrics_path, "a") as f:

@@ -59,6 +59,8 @@ def yaml_with(tmp_path, **sections):
         ({"data": {"val_fraction": 1.0}}, [], ["`data.val_fraction` must be a number between"]),
         ({"eval": {"every": 0}}, [], ["`eval.every` must be an integer >= 1, got 0"]),
         ({"data": {"max_bytes": 100}}, [], ["train split holds 0 bytes", "`data.max_bytes`"]),
+        ({"integrity": {"loss_jump": 1}}, [], ["`integrity.loss_jump` must be a number > 1"]),
+        ({"integrity": {"rerun": "yes"}}, [], ["`integrity.rerun` must be true or false"]),
     ],
 )
 def test_bad_config_fails_before_any_work(tmp_path, sections, argv, words):
@@ -197,3 +199,18 @@ def test_a_run_that_skips_every_step_stops(tmp_path, monkeypatch):
     assert "train.max_consecutive_skips=3" in msg
     assert "(None)" in msg  # no checkpoint to go back to yet
     assert "the loss inf" in msg or "the loss nan" in msg
+
+
+def test_the_trainer_checks_its_replicas_and_reruns_a_suspicious_step(tmp_path):
+    # Replicas compared every 4 steps (and at the end), a spiking step run again.
+    cfg = yaml_with(tmp_path, integrity={"replica_check_every": 4, "rerun": True,
+                                         "loss_jump": 1.5}, checkpoint={"every": 100})  # fmt: skip
+    run = tmp_path / "run"
+    train_gpt.main(["--config", cfg, "--run-dir", str(run), "--steps", "8"])
+    with open(run / "metrics.jsonl") as f:
+        records = [json.loads(line) for line in f]
+    checks = [r for r in records if "replica_check" in r]
+    assert [r["step"] for r in checks] == [4, 8]
+    assert all("every copy equal" in r["replica_check"] for r in checks)
+    assert all("reruns" in r for r in records if "loss" in r)
+
