@@ -594,14 +594,6 @@ def train(
                 record["skipped_steps"] = int(state.metrics.skipped_steps)
                 if integrity["rerun"]:
                     record["reruns"] = [str(r) for r in run_step.reports]
-            every = integrity["replica_check_every"]
-            if every and (done % every == 0 or done == t["steps"]):
-                replicas = jaxsync.replica_check(train_step, state)
-                if lead:
-                    with open(metrics_path, "a") as f:
-                        f.write(json.dumps({"step": done, "replica_check": str(replicas)}) + "\n")
-                if not replicas.ok:  # diverged copies: a hardware fault, never train on
-                    raise RunStopped(f"step {done}: {replicas}")
                 history.append(record)
                 if lead:
                     with open(metrics_path, "a") as f:
@@ -619,6 +611,14 @@ def train(
                 tick, last_logged = time.perf_counter(), done  # throughput leaves out eval
             else:
                 progress.update(task, completed=done)
+            every = integrity["replica_check_every"]
+            if every and (done % every == 0 or done == t["steps"]):
+                replicas = jaxsync.replica_check(train_step, state)
+                if lead:
+                    with open(metrics_path, "a") as f:
+                        f.write(json.dumps({"step": done, "replica_check": str(replicas)}) + "\n")
+                if not replicas.ok:  # diverged copies: a hardware fault, never train on
+                    raise RunStopped(f"step {done}: {replicas}")
             if done % cfg["checkpoint"]["every"] == 0 or done == t["steps"]:
                 ckpt.save_state(
                     train_step,

@@ -212,5 +212,7 @@ def test_the_trainer_checks_its_replicas_and_reruns_a_suspicious_step(tmp_path):
     checks = [r for r in records if "replica_check" in r]
     assert [r["step"] for r in checks] == [4, 8]
     assert all("every copy equal" in r["replica_check"] for r in checks)
+    # The check leaves the log as it was: a loss record at step 1 and every log_every (4).
+    assert [r["step"] for r in records if "loss" in r] == [1, 4, 8]
     assert all("reruns" in r for r in records if "loss" in r)
 
