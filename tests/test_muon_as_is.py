@@ -3,8 +3,8 @@
 A stacked ``[L, D, D]`` param whose dimension numbers batch over ``L``, a plain
 matrix, a vector and a head matrix (the user's dimension numbers give the head to
 Newton-Schulz). Each step must train what optax's muon trains on one device: the
-ZeRO step owns each param whole on one rank and hands it to muon in the param tree;
-the FSDP step gathers the reduced gradient and runs muon on the whole tree.
+ZeRO and FSDP steps own each param whole on one rank and hand it to muon in the
+param tree, so muon's state is spread over the ranks (FSDP kept a copy per rank).
 Before, the step was refused with an internal pytree error, and the rewrite the
 refusal spelled out (muon_labels + optax.adamw) trained another optimizer (9e-2 off).
 """
@@ -132,10 +132,11 @@ def test_the_fsdp_refusal_spells_a_rewrite_that_trains_the_same(mesh8):
     close(want, sharded(jaxsync.train_step(loss, tx, mesh8, jaxsync.ZeRO(), labels=labels), params))
 
 
-@pytest.mark.parametrize(("mode", "after"), [("zero", 4), ("fsdp", 8)])
+@pytest.mark.parametrize(("mode", "after"), [("zero", 4), ("fsdp", 4), ("fsdp", 8)])
 def test_a_checkpoint_continues_the_users_muon(mesh8, tmp_path, mode, after):
-    """Saved after one step on 8 devices, restored (ZeRO: on 4, ownership recomputed;
-    FSDP's replicated muon state: at the same size), two more steps: one-device muon."""
+    """Saved after one step on 8 devices, restored (on 4: ownership recomputed, in
+    ZeRO and FSDP alike; the owned state is saved per param), two more steps:
+    one-device muon."""
     params, dims = params_and_dims()
     tx = optax.contrib.muon(0.02, muon_weight_dimension_numbers=dims)
     loss = loss_of(1.0)
@@ -151,3 +152,37 @@ def test_a_checkpoint_continues_the_users_muon(mesh8, tmp_path, mode, after):
     for i in range(1, STEPS):
         state, _ = step(state, (xs[i], ys[i]))
     close(one_device(tx, params, loss), step.params(state))
+
+
+def bytes_per_device(tree):
+    per = {}
+    for x in jax.tree.leaves(tree):
+        for s in x.addressable_shards:
+            per[s.device] = per.get(s.device, 0) + s.data.nbytes
+    return max(per.values())
+
+
+def test_fsdp_spreads_muons_state_over_the_owners(mesh8):
+    """Twelve [D, D] matrices and three vectors on 8 ranks: each device holds the
+    state of the params it owns (padded to the fullest rank's), not all of it. It
+    held every byte on every device before (3284 here: one copy per rank)."""
+    k = jax.random.split(jax.random.key(0), 12)
+    params = {f"m{i:02d}": jax.random.normal(k[i], (D, D)) for i in range(12)}
+    params.update({f"v{i}": jnp.zeros((D,)) for i in range(3)})
+    dims = {n: (MDN() if n.startswith("m") else None) for n in params}
+    tx = optax.contrib.muon(0.02, muon_weight_dimension_numbers=dims)
+
+    def loss(p, batch):
+        h = batch[0]
+        for i in range(12):
+            h = jnp.tanh(h @ p[f"m{i:02d}"] + p[f"v{i % 3}"])
+        return jnp.mean(h**2)
+
+    step = jaxsync.train_step(loss, tx, mesh8, jaxsync.FSDP())
+    state = step.init(params)
+    whole = sum(x.nbytes for x in jax.tree.leaves(tx.init(params)))
+    mine = bytes_per_device(state.opt_state)
+    assert mine <= whole / 5, (mine, whole)  # 2 matrices' momenta of 12, padding included
+    xs, ys = batches()
+    state, _ = step(state, (xs[0], ys[0]))
+    assert bytes_per_device(state.opt_state) == mine

@@ -48,6 +48,7 @@ from .view import view as _view
 
 PyTree = Any
 
+
 class FullyShard:
     """A model's params split into units, each a flat fp32 buffer sharded over ranks.
 
@@ -109,6 +110,9 @@ class FullyShard:
         self._layers = layers
         self.template = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
         self._groups = group_trees(params, stacked)
+        #: ``train_step``'s muon as written, each param owned by one rank (an
+        #: ``optim.whole_tree.OwnedTree``): the checkpoint conversion reads it.
+        self.owned_tree: Any = None
 
     # --------------------------------------------------------------- layout
     def layout(self, unit: str) -> Layout:

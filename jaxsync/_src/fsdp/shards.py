@@ -18,6 +18,7 @@ from jax.sharding import PartitionSpec as P
 
 from ..core.axes import mesh_axes_size
 from ..optim.portable import convert
+from ..optim.whole_tree import OwnedTreePortable, OwnedTreeState
 from .optimizer import LabelsState
 
 PyTree = Any
@@ -90,9 +91,31 @@ def _per_label(fs: FullyShardT, opt: Any, convert_one: Callable[[Any, str | None
     return convert_one(opt, None)
 
 
+def _bare(tree: Any) -> Any:
+    """Shapes and dtypes only: the conversion traces on global arrays, unsharded."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
+
+
+def _owned_shardings(fs: FullyShardT, mesh: Mesh) -> Any:
+    """Shardings of the owned state: each packed vector over the data axes."""
+    specs = fs.owned_tree.specs()
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
+
+
+def _owned_portable(fs: FullyShardT, opt: OwnedTreeState, mesh: Mesh) -> OwnedTreePortable:
+    """Muon as written's owned state as ``{param name: state}`` (any DP size reads it)."""
+    ot = fs.owned_tree
+    rep = NamedSharding(mesh, P())
+    out = jax.tree.map(lambda _: rep, jax.eval_shape(ot.to_portable, _bare(opt)))
+    return convert(ot.to_portable, (opt,), mesh, out, key=("fsdp.owned_portable", ot, mesh))
+
+
 def to_portable(fs: FullyShardT, opt: Any, mesh: Mesh) -> Any:
     """Every ``{unit: shard}`` of ``opt`` as the params' tree, every label's
-    ``{unit: piece}`` as ``{param name: array}`` (fp32, replicated, no padding)."""
+    ``{unit: piece}`` as ``{param name: array}`` (fp32, replicated, no padding);
+    muon as written's owned state as ``{param name: its state}``."""
+    if isinstance(opt, OwnedTreeState):
+        return _owned_portable(fs, opt, mesh)
 
     def one(state: Any, label: str | None) -> Any:
         is_u = _unit_dicts(fs, label)
@@ -106,6 +129,11 @@ def to_portable(fs: FullyShardT, opt: Any, mesh: Mesh) -> Any:
 def portable_like(fs: FullyShardT, opt: Any, template: PyTree, mesh: Mesh) -> Any:
     """The abstract form of :func:`to_portable`'s result for an (abstract) ``opt``."""
     rep = NamedSharding(mesh, P())
+    if isinstance(opt, OwnedTreeState):
+        abstract = jax.eval_shape(fs.owned_tree.to_portable, _bare(opt))
+        return jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep), abstract
+        )
     sds = lambda t: jax.ShapeDtypeStruct(t.shape, jnp.float32, sharding=rep)  # noqa: E731
     full = jax.tree.map(sds, template)
     shape_of = dict(zip(fs.param_names, fs.param_shapes, strict=True))
@@ -122,6 +150,10 @@ def portable_like(fs: FullyShardT, opt: Any, template: PyTree, mesh: Mesh) -> An
 
 def from_portable(fs: FullyShardT, opt: Any, template: PyTree, mesh: Mesh) -> Any:
     """Inverse of :func:`to_portable` onto ``fs``'s layout (any DP size)."""
+    if isinstance(opt, OwnedTreePortable):
+        ot = fs.owned_tree
+        out = _owned_shardings(fs, mesh)
+        return convert(ot.from_portable, (opt,), mesh, out, key=("fsdp.owned_restore", ot, mesh))
     params_struct = jax.tree.structure(template)
 
     def one(state: Any, label: str | None) -> Any:

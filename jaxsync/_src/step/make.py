@@ -28,7 +28,7 @@ from ..optim.loss_scale import init_loss_scale
 from ..optim.master import needs_master, with_fp32_master
 from ..optim.optimizer import distributed_optimizer
 from ..optim.state import initial_metrics
-from ..optim.whole_tree import init_whole_tree, whole_tree
+from ..optim.whole_tree import owned_tree
 from .held import held_groups, strip
 from .modes import DDP, ZeRO
 from .parts import Plan
@@ -80,9 +80,10 @@ def make_state(
         )  # fmt: skip
         shards = fs.shard(params)
         tx = step.tx if step.labels is None else fs.multi_transform(step.tx)
-        if step.labels is None and as_written(tx) is not tx:  # muon as written: whole params
-            tx = whole_tree(fs, tx)
-            opt_state, opt_specs = init_whole_tree(step.tx, params, mesh, fs.axes)
+        if step.labels is None and as_written(tx) is not tx:  # muon as written: owned whole
+            fs.owned_tree = owned_tree(fs, tx)  # its checkpoint form is read through fs
+            tx = fs.owned_tree.transform()
+            opt_state, opt_specs = fs.owned_tree.init(params, mesh)
         else:
             opt_state, opt_specs = fs.init_optimizer(tx, shards, mesh)  # over the plain dict
         # state.params says what it holds (not the params) and where they are.
