@@ -88,3 +88,56 @@ def test_a_state_on_another_mesh_is_named(mesh8):
     other = jax.device_put(jnp.ones(3), jax.devices()[0])
     with pytest.raises(ValueError, match="not sharded over the step's mesh"):
         jaxsync.replica_check(step, {"x": other})
+
+
+JOB = """
+import os, sys
+import jax, numpy as np, optax
+import jaxsync
+jaxsync.initialize()
+sys.path.insert(0, sys.argv[1])
+from helpers import mlp_loss, mlp_params
+mesh = jax.make_mesh((jax.device_count(),), ("data",))
+step = jaxsync.train_step(mlp_loss, optax.adam(1e-3), mesh, "ddp")
+state = step.init(mlp_params(jax.random.PRNGKey(0)))
+rows = 16 // jax.process_count()
+batch = (np.ones((rows, 12), np.float32), np.ones((rows, 5), np.float32))
+state, loss = step(state, batch)
+print("clean", jaxsync.replica_check(step, state).ok, flush=True)
+w = state.params["layer1"]["w"]
+last = w.sharding.mesh.devices.flat[-1]  # process 1's second device
+shards = []
+for s in w.addressable_shards:
+    data = np.asarray(s.data).copy()
+    if s.device == last:
+        data.reshape(-1).view(np.uint32)[0] ^= np.uint32(8)
+    shards.append(jax.device_put(data, s.device))
+bad = jax.make_array_from_single_device_arrays(w.shape, w.sharding, shards)
+state = state._replace(params={**state.params, "layer1": {**state.params["layer1"], "w": bad}})
+report = jaxsync.replica_check(step, state)
+print("named", report.devices == (last.id,), [m.leaf for m in report.mismatches], flush=True)
+"""
+
+
+@pytest.mark.multiprocess
+def test_two_processes_name_the_device_of_the_other_process(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    job = tmp_path / "job.py"
+    job.write_text(JOB)
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1",
+           "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}  # fmt: skip
+    for var in ("JAXSYNC_LAUNCH_DIR", "JAXSYNC_HANG_TIMEOUT", "JAXSYNC_FIRST_STEP_TIMEOUT"):
+        env.pop(var, None)
+    out = subprocess.run(
+        [sys.executable, "-m", "jaxsync.launch", "--nproc", "2", "--devices-per-proc", "2",
+         str(job), os.path.join(root, "tests")],
+        cwd=root, capture_output=True, text=True, timeout=120, env=env,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    for rank in (0, 1):  # every process reads the same verdict
+        assert f"[{rank}] clean True" in out.stdout, out.stdout
+        assert f"[{rank}] named True [\".params['layer1']['w']\"]" in out.stdout, out.stdout
