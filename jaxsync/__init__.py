@@ -50,6 +50,8 @@ from jaxsync._src.integrity.replicas import ReplicaReport as ReplicaReport
 from jaxsync._src.integrity.replicas import replica_check as replica_check
 from jaxsync._src.integrity.rerun import Rerun as Rerun
 from jaxsync._src.integrity.rerun import RerunReport as RerunReport
+from jaxsync._src.integrity.stragglers import StragglerReport as StragglerReport
+from jaxsync._src.integrity.stragglers import Stragglers as Stragglers
 from jaxsync._src.layout.layout import Layout as Layout
 from jaxsync._src.layout.ownership import WholeMatrices as WholeMatrices
 from jaxsync._src.layout.ownership import whole_matrices as whole_matrices
@@ -130,6 +132,8 @@ __all__ = [
     "replica_check",
     "Rerun",
     "RerunReport",
+    "StragglerReport",
+    "Stragglers",
     "KernelBytes",
     "TrafficReport",
     "hbm_bytes",
