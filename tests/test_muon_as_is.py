@@ -184,5 +184,7 @@ def test_fsdp_spreads_muons_state_over_the_owners(mesh8):
     mine = bytes_per_device(state.opt_state)
     assert mine <= whole / 5, (mine, whole)  # 2 matrices' momenta of 12, padding included
     xs, ys = batches()
+    # the owners get their params' columns by all-to-all (nothing gathered whole)
+    assert "all-to-all" in step.lower(state, (xs[0], ys[0])).compile().as_text()
     state, _ = step(state, (xs[0], ys[0]))
     assert bytes_per_device(state.opt_state) == mine

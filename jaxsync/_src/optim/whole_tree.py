@@ -14,13 +14,12 @@ in the param tree, every other param an ``optax.MaskedNode``). So the owner alon
 holds that param's state and computes its update; the state per device is about
 1/N of the optimizer's.
 
-Inside the step, the update all-gathers the reduced gradient and the fp32 params of
-every unit, each rank keeps the params it owns (its shard of the owned layout),
-runs ``tx`` on them, and the owners' updates are all-gathered and cut back into each
-rank's FSDP shards. Equal to the optimizer on one device. The transient gradient,
-params and update are whole on every rank for the length of the update (what the
-replicated version held too); an all-to-all from the FSDP shards to the owners
-would move 1/N of those bytes.
+Inside the step, each rank sends every owner the part of the owner's params its
+FSDP shards hold (one all-to-all of the reduced gradient, one of the fp32 params:
+static blocks, :func:`routes`), the owner runs ``tx`` on its params whole, and a
+third all-to-all sends each rank the columns of the update that its FSDP shards
+hold. Each element moves once per exchange (a message is padded to the longest
+one); nothing is whole on every rank. Equal to the optimizer on one device.
 
 The state is ``OwnedTreeState``: one packed vector per dtype, ``[N * length]``
 sharded over the data axes (layerwise's packing). Its checkpoint form is per param
@@ -31,6 +30,8 @@ restores at any data-parallel size, ownership recomputed.
 from __future__ import annotations
 
 import dataclasses
+import functools
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -39,7 +40,6 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ..core.axes import rank
 from ..layout.layout import Layout
 from ..layout.ownership import WholeMatrices
 from ..layout.placement import build_layout
@@ -70,6 +70,59 @@ def _plain(shards: Any) -> dict[str, jax.Array]:
     return shards.as_dict() if hasattr(shards, "as_dict") else dict(shards)
 
 
+class Block(NamedTuple):
+    """The part of one param that one rank's FSDP shard holds: columns ``[j0, j1)``
+    of the param seen as ``[rows, row]`` (rows: its layers when stacked, else 1)."""
+
+    leaf: int
+    unit: str
+    src: int  # the FSDP rank holding it
+    dst: int  # the param's owner
+    j0: int
+    j1: int
+    col: int  # where column j0 lies in the source's local shard
+    pos: int  # where the block lies in the (src -> dst) message
+    rows: int
+
+
+class Routes(NamedTuple):
+    """Static all-to-all plan between the FSDP shards and the owners' shards."""
+
+    blocks: tuple[Block, ...]
+    width: int  # one message's length (the longest, padded to it)
+    piece: int  # one owner's shard length in the owned layout
+    where: dict[int, tuple[int, int, int]]  # leaf -> (owner, offset in its shard, row)
+
+
+def routes(fs: Any, layout: Layout) -> Routes:
+    n = fs.num_shards
+    buf = layout.buffers[0]
+    piece = buf.size // n
+    where, blocks, fill = {}, [], [[0] * n for _ in range(n)]
+    for u in fs.units:
+        flat = fs.unit_flat(u)
+        k = flat.shard_size
+        for slot in flat.layout.slots:
+            i = fs.param_names.index(flat.names[slot.leaf_index])
+            d, off = divmod(layout.slots[i].start, piece)
+            where[i] = (d, off, slot.size)
+            for src in range(n):
+                j0, j1 = max(0, src * k - slot.start), min(slot.size, (src + 1) * k - slot.start)
+                if j1 > j0:
+                    rows = max(slot.layers, 1)
+                    col = slot.start + j0 - src * k
+                    blocks.append(Block(i, u, src, d, j0, j1, col, fill[src][d], rows))
+                    fill[src][d] += rows * (j1 - j0)
+    width = max(max(max(f) for f in fill), 1)
+    return Routes(tuple(blocks), width, piece, where)
+
+
+def _message(parts: list[jax.Array], width: int) -> jax.Array:
+    used = sum(p.shape[0] for p in parts)
+    parts = [*parts, jnp.zeros((width - used,), jnp.float32)] if used < width else parts
+    return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class OwnedTree:
     """``tx`` over an FSDP step's ``{unit: shard}``, each param owned whole by one rank.
@@ -92,53 +145,104 @@ class OwnedTree:
         return P(axes if len(axes) > 1 else axes[0])
 
     # ------------------------------------------------------- inside the step
-    def _tree_of(self, shards: Any) -> PyTree:
-        """Every unit all-gathered: the whole fp32 param-shaped tree."""
-        fs, shards = self.fs, _plain(shards)
-        leaves: list[Any] = [None] * len(fs.param_names)
-        for u in fs.units:
-            x = shards[u].astype(jnp.float32)
-            full = jax.lax.all_gather(x, fs.axes, axis=x.ndim - 1, tiled=True)
-            named = fs.unit_flat(u).unflatten(full, jnp.float32)
-            for i in fs.members(u):
-                leaves[i] = named[fs.param_names[i]]
-        return jax.tree.unflatten(fs.treedef, leaves)
+    @functools.cached_property
+    def routes(self) -> Routes:
+        return routes(self.fs, self.layout)
 
-    def _shards_of(self, tree: PyTree) -> dict[str, jax.Array]:
-        """This rank's FSDP shard of every unit of a whole param-shaped tree."""
-        fs = self.fs
-        leaves, r, out = jax.tree.leaves(tree), rank(fs.axes), {}
-        for u in fs.units:
-            flat = fs.unit_flat(u)
-            named = {fs.param_names[i]: leaves[i] for i in fs.members(u)}
-            full = flat.flatten(named, jnp.float32)
-            size = flat.shard_size
-            out[u] = jax.lax.dynamic_slice_in_dim(full, r * size, size, axis=full.ndim - 1)
-        return out
+    def _exchange(self, send: list[Callable[..., jax.Array]], x: Any) -> jax.Array:
+        """Each rank's ``[N, width]`` messages (row ``d`` to rank ``d``), all-to-all:
+        row ``s`` of the result came from rank ``s``."""
+        axes = self.fs.axes
+        out = layerwise._by_rank(None, axes, send, x)
+        return jax.lax.all_to_all(out, axes, 0, 0, tiled=True)
 
-    def _owned(self, tree: PyTree) -> jax.Array:
-        """This rank's shard of the owned layout: the params it owns, whole."""
-        (flat,) = self.layout.flatten(tree, jnp.float32)
-        return self.layout.shard_of(0, flat, rank(self.fs.axes))
+    def to_owners(self, shards: Any) -> jax.Array:
+        """FSDP shards ``{unit: [(L,) k]}`` -> this rank's owned shard (all-to-all)."""
+        r, n = self.routes, self.fs.num_shards
+        shards = {u: x.astype(jnp.float32) for u, x in _plain(shards).items()}
+
+        def send(src: int) -> Callable[..., jax.Array]:
+            def run(shards: dict[str, jax.Array]) -> jax.Array:
+                rows: list[list[jax.Array]] = [[] for _ in range(n)]
+                for b in (b for b in r.blocks if b.src == src):
+                    local = shards[b.unit].reshape(b.rows, -1)
+                    rows[b.dst].append(local[:, b.col : b.col + b.j1 - b.j0].ravel())
+                return jnp.stack([_message(m, r.width) for m in rows])
+
+            return run
+
+        def place(dst: int) -> Callable[..., jax.Array]:
+            def run(recv: jax.Array) -> jax.Array:
+                parts, pos = [], 0
+                for i, (d, off, _) in sorted(r.where.items(), key=lambda t: t[1][1]):
+                    if d != dst:
+                        continue
+                    mine = [b for b in r.blocks if b.leaf == i]  # by source rank
+                    cols = [
+                        recv[b.src, b.pos : b.pos + b.rows * (b.j1 - b.j0)].reshape(b.rows, -1)
+                        for b in mine
+                    ]
+                    whole = cols[0] if len(cols) == 1 else jnp.concatenate(cols, axis=1)
+                    if off > pos:
+                        parts.append(jnp.zeros((off - pos,), jnp.float32))
+                    parts.append(whole.ravel())
+                    pos = off + whole.size
+                return _message(parts, r.piece)
+
+            return run
+
+        recv = self._exchange([send(s) for s in range(n)], shards)
+        return layerwise._by_rank(None, self.fs.axes, [place(d) for d in range(n)], recv)
+
+    def from_owners(self, owned: jax.Array) -> dict[str, jax.Array]:
+        """Inverse of :meth:`to_owners`: each rank's FSDP shards of the owners' values."""
+        r, n, fs = self.routes, self.fs.num_shards, self.fs
+
+        def send(dst: int) -> Callable[..., jax.Array]:
+            def run(owned: jax.Array) -> jax.Array:
+                rows: list[list[jax.Array]] = [[] for _ in range(n)]
+                for b in (b for b in r.blocks if b.dst == dst):
+                    _, off, row = r.where[b.leaf]
+                    whole = owned[off : off + b.rows * row].reshape(b.rows, row)
+                    rows[b.src].append(whole[:, b.j0 : b.j1].ravel())
+                return jnp.stack([_message(m, r.width) for m in rows])
+
+            return run
+
+        def place(src: int) -> Callable[..., dict[str, jax.Array]]:
+            def run(recv: jax.Array) -> dict[str, jax.Array]:
+                out = {}
+                for u in fs.units:
+                    flat = fs.unit_flat(u)
+                    local = jnp.zeros((*flat.lead, flat.shard_size), jnp.float32)
+                    view = local.reshape(max(flat.lead, default=1), -1)
+                    for b in (b for b in r.blocks if b.src == src and b.unit == u):
+                        w = b.j1 - b.j0
+                        x = recv[b.dst, b.pos : b.pos + b.rows * w].reshape(b.rows, w)
+                        view = view.at[:, b.col : b.col + w].set(x)
+                    out[u] = view.reshape(local.shape)
+                return out
+
+            return run
+
+        recv = self._exchange([send(d) for d in range(n)], owned)
+        return layerwise._by_rank(None, self.fs.axes, [place(s) for s in range(n)], recv)
 
     def transform(self) -> optax.GradientTransformation:
         """The optimizer over ``{unit: shard}`` (inside the step's shard_map)."""
         owner = layerwise.owned_transform(self.layout, 0, self.whole)
 
         def init_fn(shards: Any) -> OwnedTreeState:
-            return OwnedTreeState(owner.init(self._owned(self._tree_of(shards))))
+            return OwnedTreeState(owner.init(self.to_owners(shards)))
 
         def update_fn(
             grads: Any, state: OwnedTreeState, params: Any = None
         ) -> tuple[dict[str, jax.Array], OwnedTreeState]:
-            g = self._owned(self._tree_of(grads))
+            g = self.to_owners(grads)
             # muon reads params for weight decay only; without them, zeros as its own
-            m = jnp.zeros_like(g) if params is None else self._owned(self._tree_of(params))
+            m = jnp.zeros_like(g) if params is None else self.to_owners(params)
             u, packed = owner.update(g, state.packed, m)
-            full = jax.lax.all_gather(u, self.fs.axes, axis=0, tiled=True)  # one bucket
-            return self._shards_of(self.layout.unflatten((full,), jnp.float32)), OwnedTreeState(
-                packed
-            )
+            return self.from_owners(u), OwnedTreeState(packed)
 
         return optax.GradientTransformation(init_fn, update_fn)
 
