@@ -56,8 +56,14 @@ timed = jaxsync.Stragglers(step, every=10)
 state = step.init(mlp_params(jax.random.PRNGKey(0)))
 rows = 16 // jax.process_count()
 batch = (np.ones((rows, 12), np.float32), np.ones((rows, 5), np.float32))
+slow = sys.argv[2]
+real = step.__call__
+def sleepy(*a, **k):  # process 1 sleeps inside its step call (its host side)
+    time.sleep(0.05)
+    return real(*a, **k)
+timed.step = sleepy if slow == "step" and jax.process_index() == 1 else step
 for i in range(20):
-    if jax.process_index() == 1:
+    if slow == "data" and jax.process_index() == 1:
         time.sleep(0.05)  # a slow data loader on process 1
     state, loss = timed(state, batch)
     float(loss)  # a loop that logs
@@ -66,7 +72,8 @@ print("slow", [p for p, _ in timed.reports[-1].slow], timed.reports[-1], flush=T
 
 
 @pytest.mark.multiprocess
-def test_the_process_with_a_slow_loop_is_named_on_every_process(tmp_path):
+@pytest.mark.parametrize("slow", ["data", "step"])
+def test_the_process_with_a_slow_loop_is_named_on_every_process(tmp_path, slow):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     job = tmp_path / "job.py"
     job.write_text(JOB)
@@ -76,7 +83,7 @@ def test_the_process_with_a_slow_loop_is_named_on_every_process(tmp_path):
         env.pop(var, None)
     out = subprocess.run(
         [sys.executable, "-m", "jaxsync.launch", "--nproc", "2", "--devices-per-proc", "2",
-         str(job), os.path.join(root, "tests")],
+         str(job), os.path.join(root, "tests"), slow],
         cwd=root, capture_output=True, text=True, timeout=120, env=env,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-2000:]

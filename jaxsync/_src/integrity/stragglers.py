@@ -5,10 +5,11 @@ In a data-parallel job every process waits for the slowest at the step's
 collectives, and a loop that reads the loss waits there too, so the slow process
 is not the one whose steps take longest (they all do) but the one whose *own*
 work between steps is longest: loading and placing the next batch, logging,
-whatever the loop does on the host. :class:`Stragglers` wraps a
+whatever the loop or the step's own host side (checks, dispatch) does. :class:`Stragglers` wraps a
 :class:`jaxsync.TrainStep` and measures that: on the last ``window`` steps of
 every ``every`` it waits for the step's result before returning, so that the
-time to the next call is the host's own work and no waiting on the others. The
+time until the next step is dispatched is the host's own work and no waiting
+on the others. The
 steps in between run as they do without it (no host sync added). At the K-th
 step the processes' medians are gathered (one small all-gather, the only
 communication it adds) and a process whose host time is ``threshold`` times the
@@ -32,8 +33,8 @@ class StragglerReport:
 
     Attributes:
       step: the step count at the comparison.
-      host_ms: per process, the median of its host's own work between a step's
-        result and the next step call (ms), over the measured steps.
+      host_ms: per process, the median of its host's own work from a step's
+        result to the next step dispatched (ms), over the measured steps.
       slow: ``(process, times the median)`` of each process named slow.
     """
 
@@ -89,10 +90,10 @@ class Stragglers:
         self._count = 0
 
     def __call__(self, state: Any, batch: Any, **kw: Any) -> tuple[Any, Any]:
-        if self._ready is not None:  # the host's own work since the last result
-            self._host.append(time.perf_counter() - self._ready)
-            self._ready = None
         out = self.step(state, batch, **kw)
+        if self._ready is not None:  # the host's own work from the last result to this
+            self._host.append(time.perf_counter() - self._ready)  # step dispatched
+            self._ready = None
         self._count += 1
         position = self._count % self.every
         if position == 0:
