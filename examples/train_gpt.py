@@ -99,7 +99,14 @@ DEFAULTS = {
     # Silent faults: every copy of the replicated state compared bit for bit every
     # `replica_check_every` steps (0: never); `rerun`: a skipped or spiking step run
     # again to tell a transient fault from a numerical event (a host read per step).
-    "integrity": {"replica_check_every": 100, "rerun": False, "loss_jump": None},
+    # `straggler_every`: the processes compare their loops' host time every that many
+    # steps (jaxsync.Stragglers; 0: never), naming a slow one.
+    "integrity": {
+        "replica_check_every": 100,
+        "rerun": False,
+        "loss_jump": None,
+        "straggler_every": 0,
+    },
     "log_every": 25,
     "run_dir": "runs/tiny",
 }
@@ -120,6 +127,7 @@ RESUMABLE_CHANGES = {
     "integrity.replica_check_every",
     "integrity.rerun",
     "integrity.loss_jump",
+    "integrity.straggler_every",
 }
 
 
@@ -194,6 +202,9 @@ def _check(cfg: dict, sources: dict[str, str]) -> None:
         fail("checkpoint.async", "true or false", cfg["checkpoint"]["async"])
     integer("log_every", 1)
     integer("integrity.replica_check_every", 0)
+    v = cfg["integrity"]["straggler_every"]
+    if v != 0:
+        integer("integrity.straggler_every", 2)
     if not isinstance(cfg["integrity"]["rerun"], bool):
         fail("integrity.rerun", "true or false", cfg["integrity"]["rerun"])
     lj = cfg["integrity"]["loss_jump"]
@@ -567,6 +578,9 @@ def train(
         run_step = train_step
         if integrity["rerun"]:  # a suspicious step run again (jaxsync.Rerun)
             run_step = jaxsync.Rerun(train_step, loss_jump=integrity["loss_jump"])
+        reruns = run_step
+        if integrity["straggler_every"]:  # slow processes named (jaxsync.Stragglers)
+            run_step = jaxsync.Stragglers(run_step, every=integrity["straggler_every"])
         for step in range(start, t["steps"]):
             # this process's rows of the global batch; the step places them
             state, loss = run_step(state, data.batch(step, t["global_batch"], rows))
@@ -593,7 +607,7 @@ def train(
                 record["grad_norm"] = float(state.metrics.grad_norm)  # the same in both modes
                 record["skipped_steps"] = int(state.metrics.skipped_steps)
                 if integrity["rerun"]:
-                    record["reruns"] = [str(r) for r in run_step.reports]
+                    record["reruns"] = [str(r) for r in reruns.reports]
                 history.append(record)
                 if lead:
                     with open(metrics_path, "a") as f:
@@ -611,6 +625,11 @@ def train(
                 tick, last_logged = time.perf_counter(), done  # throughput leaves out eval
             else:
                 progress.update(task, completed=done)
+            every = integrity["straggler_every"]
+            if every and done % every == 0 and lead:
+                with open(metrics_path, "a") as f:
+                    f.write(json.dumps({"step": done, "stragglers": str(run_step.reports[-1])}))
+                    f.write("\n")
             every = integrity["replica_check_every"]
             if every and (done % every == 0 or done == t["steps"]):
                 replicas = jaxsync.replica_check(train_step, state)

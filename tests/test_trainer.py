@@ -61,6 +61,7 @@ def yaml_with(tmp_path, **sections):
         ({"data": {"max_bytes": 100}}, [], ["train split holds 0 bytes", "`data.max_bytes`"]),
         ({"integrity": {"loss_jump": 1}}, [], ["`integrity.loss_jump` must be a number > 1"]),
         ({"integrity": {"rerun": "yes"}}, [], ["`integrity.rerun` must be true or false"]),
+        ({"integrity": {"straggler_every": 1}}, [], ["`integrity.straggler_every` must be"]),
     ],
 )
 def test_bad_config_fails_before_any_work(tmp_path, sections, argv, words):
@@ -204,7 +205,8 @@ def test_a_run_that_skips_every_step_stops(tmp_path, monkeypatch):
 def test_the_trainer_checks_its_replicas_and_reruns_a_suspicious_step(tmp_path):
     # Replicas compared every 4 steps (and at the end), a spiking step run again.
     cfg = yaml_with(tmp_path, integrity={"replica_check_every": 4, "rerun": True,
-                                         "loss_jump": 1.5}, checkpoint={"every": 100})  # fmt: skip
+                                         "loss_jump": 1.5, "straggler_every": 4},
+                    checkpoint={"every": 100})  # fmt: skip
     run = tmp_path / "run"
     train_gpt.main(["--config", cfg, "--run-dir", str(run), "--steps", "8"])
     with open(run / "metrics.jsonl") as f:
@@ -215,4 +217,7 @@ def test_the_trainer_checks_its_replicas_and_reruns_a_suspicious_step(tmp_path):
     # The check leaves the log as it was: a loss record at step 1 and every log_every (4).
     assert [r["step"] for r in records if "loss" in r] == [1, 4, 8]
     assert all("reruns" in r for r in records if "loss" in r)
+    stragglers = [r for r in records if "stragglers" in r]
+    assert [r["step"] for r in stragglers] == [4, 8]
+    assert all("no straggler" in r["stragglers"] for r in stragglers)
 
