@@ -188,3 +188,16 @@ def test_fsdp_spreads_muons_state_over_the_owners(mesh8):
     assert "all-to-all" in step.lower(state, (xs[0], ys[0])).compile().as_text()
     state, _ = step(state, (xs[0], ys[0]))
     assert bytes_per_device(state.opt_state) == mine
+
+
+def test_fsdp_owners_over_two_data_axes(mesh8):
+    """Ranks numbered over ("replica", "data"), 2 x 4: the all-to-all and the owners
+    agree on who is who (one-device muon)."""
+    mesh = jax.make_mesh((2, 4), ("replica", "data"), devices=jax.devices()[:8])
+    params, dims = params_and_dims()
+    tx = optax.contrib.muon(0.02, muon_weight_dimension_numbers=dims)
+    loss = loss_of(1.0)
+    step = jaxsync.train_step(
+        loss, tx, mesh, jaxsync.FSDP(), axis_name=("replica", "data"), stacked="blocks"
+    )
+    close(one_device(tx, params, loss), sharded(step, params))

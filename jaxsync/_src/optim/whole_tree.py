@@ -99,11 +99,12 @@ def routes(fs: Any, layout: Layout) -> Routes:
     buf = layout.buffers[0]
     piece = buf.size // n
     where, blocks, fill = {}, [], [[0] * n for _ in range(n)]
+    leaf_of = {name: i for i, name in enumerate(fs.param_names)}
     for u in fs.units:
         flat = fs.unit_flat(u)
         k = flat.shard_size
         for slot in flat.layout.slots:
-            i = fs.param_names.index(flat.names[slot.leaf_index])
+            i = leaf_of[flat.names[slot.leaf_index]]
             d, off = divmod(layout.slots[i].start, piece)
             where[i] = (d, off, slot.size)
             for src in range(n):
