@@ -84,3 +84,19 @@ def test_bad_options_are_named(mesh8):
         jaxsync.Rerun(step, loss_jump=0.5)
     with pytest.raises(ValueError, match="`window`"):
         jaxsync.Rerun(step, window=0)
+
+
+def test_two_hundred_clean_steps_raise_no_alarm(mesh8):
+    # Replica checks every 10 steps, a rerun on any loss 3x the recent mean, straggler
+    # comparisons every 20: nothing is reported on a clean run.
+    step = jaxsync.train_step(mlp_loss, optax.adam(1e-2), mesh8, "zero")
+    rerun = jaxsync.Rerun(step, loss_jump=3.0)
+    timed = jaxsync.Stragglers(rerun, every=20)
+    state = step.init(mlp_params(jax.random.PRNGKey(0), sizes=SIZES))
+    xs, ys = make_batches(jax.random.PRNGKey(3), 200, 32, SIZES)
+    for i in range(200):
+        state, _ = timed(state, (xs[i], ys[i]))
+        if (i + 1) % 10 == 0:
+            assert jaxsync.replica_check(step, state).ok, i
+    assert rerun.reports == []
+    assert len(timed.reports) == 10 and all(r.slow == () for r in timed.reports)
