@@ -581,6 +581,7 @@ def train(
         reruns = run_step
         if integrity["straggler_every"]:  # slow processes named (jaxsync.Stragglers)
             run_step = jaxsync.Stragglers(run_step, every=integrity["straggler_every"])
+        checks, seen = [], 0  # replica checks and straggler reports not logged yet
         for step in range(start, t["steps"]):
             # this process's rows of the global batch; the step places them
             state, loss = run_step(state, data.batch(step, t["global_batch"], rows))
@@ -590,6 +591,12 @@ def train(
             if previous is not None:
                 count_skip(*previous)
             previous = (done, skipped, loss)
+            every = integrity["replica_check_every"]
+            if every and (done % every == 0 or done == t["steps"]):
+                replicas = jaxsync.replica_check(train_step, state)
+                if not replicas.ok:  # diverged copies: a hardware fault, never train on
+                    raise RunStopped(f"step {done}: {replicas}")
+                checks.append(f"step {done}: {replicas}")
             # and after step 1: where training starts from (ln 256 for a uniform guess)
             evaluate = done % cfg["eval"]["every"] == 0 or done in (1, t["steps"])
             if evaluate or done % cfg["log_every"] == 0:
@@ -606,8 +613,15 @@ def train(
                     record["val_loss"] = float(eval_step(train_step.params(state), val_batches))
                 record["grad_norm"] = float(state.metrics.grad_norm)  # the same in both modes
                 record["skipped_steps"] = int(state.metrics.skipped_steps)
+                # What the integrity checks found since the last record (the record
+                # stays one line per logged step, as readers of metrics.jsonl expect).
                 if integrity["rerun"]:
                     record["reruns"] = [str(r) for r in reruns.reports]
+                if checks:
+                    record["replica_check"], checks = checks, []
+                if integrity["straggler_every"] and len(run_step.reports) > seen:
+                    record["stragglers"] = [str(r) for r in run_step.reports[seen:]]
+                    seen = len(run_step.reports)
                 history.append(record)
                 if lead:
                     with open(metrics_path, "a") as f:
@@ -625,19 +639,6 @@ def train(
                 tick, last_logged = time.perf_counter(), done  # throughput leaves out eval
             else:
                 progress.update(task, completed=done)
-            every = integrity["straggler_every"]
-            if every and done % every == 0 and lead:
-                with open(metrics_path, "a") as f:
-                    f.write(json.dumps({"step": done, "stragglers": str(run_step.reports[-1])}))
-                    f.write("\n")
-            every = integrity["replica_check_every"]
-            if every and (done % every == 0 or done == t["steps"]):
-                replicas = jaxsync.replica_check(train_step, state)
-                if lead:
-                    with open(metrics_path, "a") as f:
-                        f.write(json.dumps({"step": done, "replica_check": str(replicas)}) + "\n")
-                if not replicas.ok:  # diverged copies: a hardware fault, never train on
-                    raise RunStopped(f"step {done}: {replicas}")
             if done % cfg["checkpoint"]["every"] == 0 or done == t["steps"]:
                 ckpt.save_state(
                     train_step,

@@ -147,6 +147,7 @@ class _Job:
         self.lock = threading.Lock()
         self.exits: queue.Queue[children.Exit] = queue.Queue()
         self.signalled: list[int] = []
+        self.passed_to: list[int] = []  # the processes running when the first signal came
         self.procs: list[subprocess.Popen] = []
         self.pumps: list[threading.Thread] = []
         self.raised: dict[int, float] = {}  # rank -> when its first traceback came
@@ -214,6 +215,8 @@ class _Job:
     def _on_signal(self, signum: int, frame: object) -> None:
         # Pass it on at once (Ctrl-C reaches only the launcher: the processes
         # run in sessions of their own); the main loop then stops the job.
+        if not self.signalled:  # the processes it reached (they may end at once)
+            self.passed_to = self.running()
         self.signalled.append(signum)
         self.signal_all(signum)
 
@@ -257,13 +260,15 @@ class _Job:
                 sig = self.signalled[0]
                 self.say(
                     f"received {signal.Signals(sig).name}; passed it on to processes "
-                    f"{self.running()} and stopping them."
+                    f"{self.passed_to} and stopping them."
                 )
                 return 128 + sig
             try:
                 ended = self.exits.get(timeout=0.1)
             except queue.Empty:
                 ended = None
+            if self.signalled:  # a process ended by the signal passed on: say the signal
+                continue
             now = time.monotonic()
             if ended is not None:
                 self.pumps[ended.rank].join(timeout=2.0)  # its last lines first
