@@ -212,3 +212,25 @@ def local_shapes(tree) -> dict[str, tuple[int, ...]]:
     return {
         ".".join(str(k.key) for k in path): x.addressable_shards[0].data.shape for path, x in flat
     }
+
+
+def launch(tmp_path, job: str, *args: str, timeout: float = 120):
+    """``job`` (a script's text) run by ``python -m jaxsync.launch`` on 2 processes x 2
+    CPU devices, given the tests folder (for ``helpers``) and ``args``: the
+    ``subprocess.CompletedProcess``, output captured."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = tmp_path / "job.py"
+    script.write_text(job)
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1",
+           "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}  # fmt: skip
+    for var in ("JAXSYNC_LAUNCH_DIR", "JAXSYNC_HANG_TIMEOUT", "JAXSYNC_FIRST_STEP_TIMEOUT"):
+        env.pop(var, None)
+    return subprocess.run(
+        [sys.executable, "-m", "jaxsync.launch", "--nproc", "2", "--devices-per-proc", "2",
+         str(script), os.path.join(root, "tests"), *args],
+        cwd=root, capture_output=True, text=True, timeout=timeout, env=env,
+    )  # fmt: skip

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import make_batches, mlp_loss, mlp_params
+from helpers import launch, make_batches, mlp_loss, mlp_params
 
 import jaxsync
 
@@ -96,7 +96,7 @@ import jax, numpy as np, optax
 import jaxsync
 jaxsync.initialize()
 sys.path.insert(0, sys.argv[1])
-from helpers import mlp_loss, mlp_params
+from helpers import launch, mlp_loss, mlp_params
 mesh = jax.make_mesh((jax.device_count(),), ("data",))
 step = jaxsync.train_step(mlp_loss, optax.adam(1e-3), mesh, "ddp")
 state = step.init(mlp_params(jax.random.PRNGKey(0)))
@@ -121,22 +121,7 @@ print("named", report.devices == (last.id,), [m.leaf for m in report.mismatches]
 
 @pytest.mark.multiprocess
 def test_two_processes_name_the_device_of_the_other_process(tmp_path):
-    import os
-    import subprocess
-    import sys
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    job = tmp_path / "job.py"
-    job.write_text(JOB)
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1",
-           "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}  # fmt: skip
-    for var in ("JAXSYNC_LAUNCH_DIR", "JAXSYNC_HANG_TIMEOUT", "JAXSYNC_FIRST_STEP_TIMEOUT"):
-        env.pop(var, None)
-    out = subprocess.run(
-        [sys.executable, "-m", "jaxsync.launch", "--nproc", "2", "--devices-per-proc", "2",
-         str(job), os.path.join(root, "tests")],
-        cwd=root, capture_output=True, text=True, timeout=120, env=env,
-    )  # fmt: skip
+    out = launch(tmp_path, JOB)
     assert out.returncode == 0, out.stderr[-2000:]
     for rank in (0, 1):  # every process reads the same verdict
         assert f"[{rank}] clean True" in out.stdout, out.stdout

@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import time
 
 import jax
 import numpy as np
 import optax
 import pytest
-from helpers import mlp_loss, mlp_params
+from helpers import launch, mlp_loss, mlp_params
 
 import jaxsync
 
@@ -49,7 +46,7 @@ import jax, numpy as np, optax
 import jaxsync
 jaxsync.initialize()
 sys.path.insert(0, sys.argv[1])
-from helpers import mlp_loss, mlp_params
+from helpers import launch, mlp_loss, mlp_params
 mesh = jax.make_mesh((jax.device_count(),), ("data",))
 step = jaxsync.train_step(mlp_loss, optax.sgd(0.1), mesh, "ddp")
 timed = jaxsync.Stragglers(step, every=10)
@@ -74,18 +71,7 @@ print("slow", [p for p, _ in timed.reports[-1].slow], timed.reports[-1], flush=T
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("slow", ["data", "step"])
 def test_the_process_with_a_slow_loop_is_named_on_every_process(tmp_path, slow):
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    job = tmp_path / "job.py"
-    job.write_text(JOB)
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1",
-           "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}  # fmt: skip
-    for var in ("JAXSYNC_LAUNCH_DIR", "JAXSYNC_HANG_TIMEOUT", "JAXSYNC_FIRST_STEP_TIMEOUT"):
-        env.pop(var, None)
-    out = subprocess.run(
-        [sys.executable, "-m", "jaxsync.launch", "--nproc", "2", "--devices-per-proc", "2",
-         str(job), os.path.join(root, "tests"), slow],
-        cwd=root, capture_output=True, text=True, timeout=120, env=env,
-    )  # fmt: skip
+    out = launch(tmp_path, JOB, slow)
     assert out.returncode == 0, out.stderr[-2000:]
     for rank in (0, 1):
         assert f"[{rank}] slow [1]" in out.stdout, out.stdout

@@ -23,6 +23,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .replicas import as_bits
+
 
 @dataclasses.dataclass(frozen=True)
 class RerunReport:
@@ -91,13 +93,13 @@ class Rerun:
 
     def __call__(self, state: Any, batch: Any, **kw: Any) -> tuple[Any, Any]:
         kept = jax.tree.map(jnp.copy, state)  # the step donates `state`
-        number = int(jax.device_get(state.step))
         new, out = self.step(state, batch, **kw)
         loss = _loss(out)
         reason = self._suspicious(new, loss)
         if reason is None:
             self.recent.append(loss)
             return new, out
+        number = int(jax.device_get(kept.step))  # read only for a step run again
         again, out2 = self.step(kept, batch, **kw)
         differing = _differing(new, again)
         report = RerunReport(number, reason, not differing, loss, _loss(out2), differing)
@@ -137,13 +139,4 @@ def _differing(a: Any, b: Any) -> tuple[str, ...]:
 
 @jax.jit
 def _same_bits(xs: list[Any], ys: list[Any]) -> list[jax.Array]:
-    def bits(x: Any) -> Any:
-        if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
-            x = jax.random.key_data(x)
-        if x.dtype == jnp.bool_ or not jnp.issubdtype(x.dtype, jnp.floating):
-            return x
-        return jax.lax.bitcast_convert_type(
-            x, {2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}[x.dtype.itemsize]
-        )
-
-    return [jnp.array_equal(bits(x), bits(y)) for x, y in zip(xs, ys, strict=True)]
+    return [jnp.array_equal(as_bits(x), as_bits(y)) for x, y in zip(xs, ys, strict=True)]
