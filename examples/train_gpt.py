@@ -581,7 +581,7 @@ def train(
         reruns = run_step
         if integrity["straggler_every"]:  # slow processes named (jaxsync.Stragglers)
             run_step = jaxsync.Stragglers(run_step, every=integrity["straggler_every"])
-        checks, seen = [], 0  # replica checks and straggler reports not logged yet
+        checks, seen, rerun_seen = [], 0, 0  # integrity reports not logged yet
         for step in range(start, t["steps"]):
             # this process's rows of the global batch; the step places them
             state, loss = run_step(state, data.batch(step, t["global_batch"], rows))
@@ -595,6 +595,11 @@ def train(
             if every and (done % every == 0 or done == t["steps"]):
                 replicas = jaxsync.replica_check(train_step, state)
                 if not replicas.ok:  # diverged copies: a hardware fault, never train on
+                    if lead:  # in the metrics too, where plot_metrics.py marks it
+                        seen_now = [*checks, f"step {done}: {replicas}"]
+                        found = {"step": done, "loss": float(loss), "replica_check": seen_now}
+                        with open(metrics_path, "a") as f:
+                            f.write(json.dumps(found) + "\n")
                     raise RunStopped(f"step {done}: {replicas}")
                 checks.append(f"step {done}: {replicas}")
             # and after step 1: where training starts from (ln 256 for a uniform guess)
@@ -615,8 +620,9 @@ def train(
                 record["skipped_steps"] = int(state.metrics.skipped_steps)
                 # What the integrity checks found since the last record (the record
                 # stays one line per logged step, as readers of metrics.jsonl expect).
-                if integrity["rerun"]:
-                    record["reruns"] = [str(r) for r in reruns.reports]
+                if integrity["rerun"]:  # the steps run again since the last record
+                    record["reruns"] = [str(r) for r in reruns.reports[rerun_seen:]]
+                    rerun_seen = len(reruns.reports)
                 if checks:
                     record["replica_check"], checks = checks, []
                 if integrity["straggler_every"] and len(run_step.reports) > seen:
