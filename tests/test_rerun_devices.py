@@ -51,15 +51,15 @@ def _bwd(on, g):  # a flipped bit in this device's gradient of `w`
 corrupt_grad.defvjp(_fwd, _bwd)
 
 
-def _faulty_loss(kind):
+def _faulty_loss(kind, faulty=FAULTY):
     def loss(params, batch):
         device = jax.lax.axis_index("data")
         if kind == "nan once":  # a device's arithmetic goes wrong once: a NaN
             on = jax.experimental.io_callback(_armed, jax.ShapeDtypeStruct((), jnp.bool_), 0)
             x, y = batch
-            batch = (jnp.where(on & (device == FAULTY), jnp.nan, x), y)
+            batch = (jnp.where(on & (device == faulty), jnp.nan, x), y)
         elif kind in ("flip once", "flip always"):
-            on = device == FAULTY
+            on = device == faulty
             if kind == "flip once":
                 on = on & jax.experimental.io_callback(
                     _armed, jax.ShapeDtypeStruct((), jnp.bool_), 0
@@ -207,3 +207,39 @@ def test_keeping_the_copy_on_the_host_gives_the_same_report_and_result(mesh8):
         np.testing.assert_array_equal(a, b)
     with pytest.raises(ValueError, match="`keep`"):
         jaxsync.Rerun(step, keep="disk")
+
+
+JOB = """
+import sys
+import jax, numpy as np, optax
+import jaxsync
+jaxsync.initialize()
+sys.path.insert(0, sys.argv[1])
+from helpers import mlp_params
+from test_rerun_devices import _faulty_loss
+mesh = jax.make_mesh((jax.device_count(),), ("data",))
+last = jax.device_count() - 1  # process 1's second device
+det = jaxsync.Deterministic(units=4)
+loss = _faulty_loss("flip always", faulty=last)
+step = jaxsync.train_step(loss, optax.adam(1e-3), mesh, "zero", deterministic=det)
+rerun = jaxsync.Rerun(step, keep="host")
+state = step.init(mlp_params(jax.random.PRNGKey(0)))
+rows = 16 // jax.process_count()
+rng = np.random.default_rng(jax.process_index())
+batch = (rng.normal(size=(rows, 12)).astype(np.float32), np.ones((rows, 5), np.float32))
+state, _ = rerun(state, batch)
+(r,) = rerun.reports
+named = [(d.index, d.process, d.id == mesh.devices.flat[d.index].id) for d in r.devices]
+print("case", r.case, named, r.units, flush=True)
+"""
+
+
+@pytest.mark.multiprocess
+def test_two_processes_name_the_faulty_device_of_the_other_process(tmp_path):
+    from helpers import launch
+
+    out = launch(tmp_path, JOB)
+    assert out.returncode == 0, out.stderr[-2000:]
+    for rank in (0, 1):  # every process names the same device: process 1's second
+        line = f"[{rank}] case persistent device fault [(3, 1, True)] (0, 1, 3)"
+        assert line in out.stdout, out.stdout
