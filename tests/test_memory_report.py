@@ -33,6 +33,31 @@ def test_names_the_largest_temporary_by_shape_size_and_operation():
     assert "f32[512,512]" in report.table(1)
     assert f"in {len(report.buffers) - 1} more" in report.table(1)
     assert sum(report.by_origin().values()) == report.peak
+    # Its live range runs from the op that made it to the op that reads it last
+    # (the first matmul's product is read by sin; sin's by the second matmul).
+    made = top.made_by.split("/")[-1]
+    assert top.live_from.split("/")[-1] == made
+    assert top.live_to.split("/")[-1] == {"dot_general": "sin", "sin": "dot_general"}[made]
+    assert (arg.live_from, arg.live_to) == ("", "")
+    assert f"to {top.live_to}" in report.table(1, ranges=True)
+    assert "live from" not in report.table(1)
+
+
+def test_a_buffer_held_from_the_forward_into_the_backward_says_so():
+    # The forward's tanh is a residual of the backward: made under jvp(), last read
+    # under transpose(jvp()), and live at the peak between them.
+    w = jnp.ones((256, 256), jnp.float32)
+
+    def loss(w, x):
+        h = jnp.tanh(x @ w)
+        return jnp.sum(jnp.sin(h @ w.T) @ w)
+
+    x = jnp.ones((1024, 256), jnp.float32)
+    report = jaxsync.memory_report(jax.jit(jax.grad(loss)).lower(w, x))
+    held = [b for b in report.buffers if not b.argument and "transpose(jvp" in b.live_to
+            and "transpose" not in b.live_from]  # fmt: skip
+    assert held, report.table(20, ranges=True)
+    assert all(b.bytes > 0 and b.live_from for b in held)
 
 
 def test_a_zero_step_s_master_shards_are_named_by_their_state_path(mesh8):

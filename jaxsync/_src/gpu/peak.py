@@ -54,6 +54,11 @@ class PeakBuffer(NamedTuple):
       made_by: the jax operation that made it (XLA's ``op_name``), or the
         argument's path for an argument.
       argument: whether it is one of the program's arguments (parameters).
+      live_from, live_to: for a temporary, the operations (``op_name``, else XLA's
+        instruction) where its live range begins and ends: why it is still held.
+        A buffer made in the forward (``jvp()/...``) and last read in the backward
+        (``transpose(jvp())/...``) is held across everything between; empty for
+        an argument.
     """
 
     name: str
@@ -61,6 +66,8 @@ class PeakBuffer(NamedTuple):
     bytes: int
     made_by: str
     argument: bool
+    live_from: str = ""
+    live_to: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,8 +106,9 @@ class MemoryReport:
             out[key] = out.get(key, 0) + b.bytes
         return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
-    def table(self, top: int = 15) -> str:
-        """The ``top`` largest buffers live at the peak, one line each."""
+    def table(self, top: int = 15, ranges: bool = False) -> str:
+        """The ``top`` largest buffers live at the peak, one line each; ``ranges``:
+        under each temporary, the operations its live range runs from and to."""
         mib = 2**20
         lines = [
             f"arguments {self.arguments / mib:.0f} MiB + temporaries {self.temps / mib:.0f} MiB "
@@ -110,6 +118,9 @@ class MemoryReport:
         for b in self.buffers[:top]:
             kind = "arg " if b.argument else "temp"
             lines.append(f"  {b.bytes / mib:9.1f} MiB  {kind}  {b.shape:28s}  {b.made_by}")
+            if ranges and not b.argument:
+                lines.append(f"  {'':>9}      live from {b.live_from}")
+                lines.append(f"  {'':>9}             to {b.live_to}")
         rest = self.buffers[top:]
         if rest:
             lines.append(f"  {sum(b.bytes for b in rest) / mib:9.1f} MiB  in {len(rest)} more")
@@ -184,12 +195,17 @@ def read_memory(live: str, assignment: str, hlo: str, stats: Any) -> MemoryRepor
             at, best = t, covered
     live_now = [v for v, (a, b) in timed if a <= at <= b]
 
-    def buffer(name: str, size: int, argument: bool) -> PeakBuffer:
+    def made_by(name: str) -> str:
         op = _OP_NAME.search(instrs.get(name.split("{")[0], ""))
-        return PeakBuffer(name, shapes.get(name, "").split("{")[0], size,
-                          op.group(1) if op else name, argument)  # fmt: skip
+        return op.group(1) if op else name
 
-    buffers = [buffer(n, size, False) for n, size, _ in live_now]
+    def buffer(name: str, size: int) -> PeakBuffer:
+        a, b = ranges[name]
+        ends = [made_by(steps[t]) if t in steps else str(t) for t in (a, b)]
+        return PeakBuffer(name, shapes.get(name, "").split("{")[0], size, made_by(name),
+                          False, *ends)  # fmt: skip
+
+    buffers = [buffer(n, size) for n, size, _ in live_now]
     params = _entry_parameters(hlo)
     buffers += [
         PeakBuffer(f"parameter({i})", shape, size, params.get(i, f"parameter({i})"), True)
