@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import re
 from collections import Counter
+from collections.abc import Mapping
 from typing import Any
 
+from .repricing import walk
 from .roofline import compute_times, dot_flops, is_compute, roofline, shape_bytes
 from .target import GpuSpec
 from .textproto import Message, parse
-from .timings import CollectiveTiming, ComputationTiming, Hotspot, ScheduleReport
+from .timings import AsyncTiming, CollectiveTiming, ComputationTiming, Hotspot, ScheduleReport
 from .twin import PROBE
 
 _KINDS = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all", "collective-permute")
@@ -26,17 +28,32 @@ _TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
 
 # ----------------------------------------------------------------------- reading
 def read_schedule(
-    text: str, memory: Any, gpu: GpuSpec, twin_text: str | None = None
+    text: str,
+    memory: Any,
+    gpu: GpuSpec,
+    twin_text: str | None = None,
+    kernel_times: Mapping[str, float] | None = None,
 ) -> ScheduleReport:
     """The report from a ``*.schedule.txt`` dump and ``compiled.memory_analysis()``.
 
     ``twin_text``: the dump of the program's pricing twin (:mod:`twin`); it prices
     the computations the scheduler skipped here. Without it, or for a kernel the
-    twin does not hold, the scaled roofline does.
+    twin does not hold, the scaled roofline does. ``kernel_times``: measured
+    microseconds per run by instruction name, for the repriced reading
+    (:mod:`repricing`).
     """
     prog = _Program(text)
     twin = _Twin(_Program(twin_text)) if twin_text else None
-    timings, colls, skipped, hot = [], [], [], []
+    table = dict(kernel_times or {})
+    timings, colls, skipped, hot, asyncs = [], [], [], [], []
+
+    def repriced(comp: Message, sched: Message, n: int, skip=lambda _: False, where=prog):
+        walked, measured, ops = walk(sched, where.insts, where.comps, gpu.memory_bandwidth, table,
+                                     skip)  # fmt: skip
+        asyncs.extend(AsyncTiming(start.one("name"), comp.one("name"), n, nbytes, xla, us)
+                      for start, nbytes, xla, us in ops)  # fmt: skip
+        return walked, measured
+
     step = 0.0
     exposed: dict[str, float] = {}
     busy_sum, roof_sum = [0.0, 0.0], [0.0, 0.0]  # per class: [matmuls, the rest]
@@ -52,7 +69,9 @@ def read_schedule(
             own = sum(price.values())
             step += own * n
             hot += [h for h in _hotspots(comp, sched, prog.insts, n) if PROBE not in h.op_name]
-            timings.append(ComputationTiming(comp.one("name"), n, own, "xla", {}, own + gaps, own))
+            walked, measured = repriced(comp, sched, n, is_probe)
+            timings.append(ComputationTiming(comp.one("name"), n, own, "xla", {}, own + gaps, own,
+                                             walked, measured))  # fmt: skip
             continue
         stats = sched.one("scheduler_statistics", Message())
         per_us = float(sched.one("cycles_per_microsecond", 1))
@@ -70,8 +89,9 @@ def read_schedule(
         step += own * n
         for k, v in waste.items():
             exposed[k] = exposed.get(k, 0.0) + v
+        walked, measured = repriced(comp, sched, n)
         timings.append(ComputationTiming(comp.one("name"), n, own, "xla", waste, _span(sched),
-                                         _walk(sched, prog.insts)))  # fmt: skip
+                                         _walk(sched, prog.insts), walked, measured))  # fmt: skip
     # Skipped computations: the twin's price where it holds the same kernels; else
     # the roofline, scaled per kernel class (matmuls, the rest) by what XLA's model
     # charges over the roofline for the same class in the scheduled ones (launch
@@ -90,10 +110,22 @@ def read_schedule(
         by_roofline += roof * n
         source = "roofline" if roof and not own else ("xla+roofline" if roof else "xla")
         step += (own + roof) * n
-        # nothing asynchronous in it: any walk of it is its kernels' sum
-        timings.append(
-            ComputationTiming(comp.one("name"), n, own + roof, source, {}, span + roof, own + roof)
-        )
+        # Where the twin's copy of it holds a non-collective async op (XLA scheduled
+        # it there only), walk that copy; else its walk is its kernels' sum, each
+        # kernel the table names at its measured time.
+        found = twin.matched(comp) if twin and not rest else None
+        before = len(asyncs)
+        walked, measured = repriced(comp, found, n, is_probe, twin.prog) if found else (0.0, 0.0)
+        if len(asyncs) == before:
+            swap = [(table[i.one("name")], twin.kernel.get(_kernel_key(i)) if twin else None, i)
+                    for i in comp.all("instructions") if i.one("name") in table
+                    and is_compute(i.one("opcode"))]  # fmt: skip
+            measured = sum(us for us, _, _ in swap)
+            walked = own + roof + sum(us - (was if was is not None else scale[
+                0 if dot_flops(i, prog.comps, prog.insts) else 1] * roofline(
+                    i, prog.comps, prog.insts, gpu)) for us, was, i in swap)  # fmt: skip
+        timings.append(ComputationTiming(comp.one("name"), n, own + roof, source, {},
+                                         span + roof, own + roof, walked, measured))  # fmt: skip
     mem = {
         "arguments": memory.argument_size_in_bytes,
         "outputs": memory.output_size_in_bytes,
@@ -105,6 +137,7 @@ def read_schedule(
         step_us=step, roofline_us=by_roofline, roofline_scale=scale, exposed_us=exposed,
         computations=tuple(timings), collectives=tuple(colls), memory=mem, device=gpu.name,
         hotspots=tuple(sorted(hot, key=lambda h: -h.total_us)[:_HOTSPOTS]),
+        async_ops=tuple(asyncs), bandwidth=gpu.memory_bandwidth, kernel_table=len(table),
     )  # fmt: skip
 
 
@@ -173,6 +206,11 @@ class _Twin:
             else:
                 own += us
         return own, own, rest
+
+    def matched(self, comp: Message) -> Message | None:
+        """The schedule of the twin computation holding ``comp``'s kernels, if any."""
+        found, _ = self._match(comp)
+        return found[4] if found is not None else None
 
     def hotspots(self, comp: Message, prog: _Program, n: int) -> list[Hotspot]:
         found, want = self._match(comp)

@@ -19,6 +19,10 @@ dump on and turns it into one step's figures:
   out. Only a kernel the twin cannot price (a loop inside a region manual over
   some mesh axes only) falls back to a roofline of the target GPU, and the report
   keeps that share apart (``roofline_us``).
+- XLA charges an asynchronous op that is not a collective (a dynamic slice on
+  another stream) a flat 5000 cycles; ``repriced_us`` walks the schedule again
+  with each at its bytes over the GPU's memory bandwidth, and with measured
+  kernel times where ``kernel_times`` gives them (:mod:`repricing`).
 
 These are models of a program, not measurements of a GPU.
 """
@@ -38,6 +42,7 @@ import jax
 from ..core.validate import check_bool
 from ..core.xla_names import pipelined
 from .read import read_schedule, skipped_computations
+from .repricing import kernel_table, profile_text
 from .target import GPUS, GpuSpec
 from .timings import ScheduleReport
 from .twin import pricing_twin
@@ -67,6 +72,7 @@ GPU_PERFORMANCE_OPTIONS: Mapping[str, Any] = {
     "xla_gpu_all_reduce_combine_threshold_bytes": 134217728,
 }
 
+_PGLE = "xla_gpu_pgle_profile_file_or_directory_path"
 _NO_SCHEDULE = (
     "schedule_report: XLA wrote no latency-hiding schedule for this program. It needs a "
     "GPU program (lower the step for a GPU mesh, e.g. jaxsync.gpu_topology('h100')) and an "
@@ -82,6 +88,7 @@ def schedule_report(
     gpu: GpuSpec | str | None = None,
     dump_dir: str | None = None,
     twin: bool = True,
+    kernel_times: Mapping[str, float] | str | os.PathLike | None = None,
 ) -> ScheduleReport:
     """Compiles ``lowered`` with XLA's schedule dump on and reads its model of the step.
 
@@ -96,6 +103,17 @@ def schedule_report(
       dump_dir: keep XLA's dump here (default: a temporary directory).
       twin: price what the scheduler skipped with the pricing twin (a second
         compile, only when something was skipped); ``False``: with the roofline.
+      kernel_times: measured kernel times for the repriced reading
+        (``report.repriced_us``): ``{HLO instruction name: microseconds per run}``
+        (names as in ``report.hlo_text``; a ``fingerprint::`` prefix is dropped), or
+        the path of an XLA profile in text form (``costs { name: "fusion.3" cost_us:
+        41.5 }``, what ``jax.experimental.profiler.get_profiled_instructions_proto``
+        writes). Each kernel it names takes its measured time instead of XLA's;
+        ``report.measured_share`` says how much of the step that covers. XLA's
+        profile-guided latency estimator reads the same table
+        (``xla_gpu_pgle_profile_file_or_directory_path``), so its scheduler orders
+        and prices the program with those times too, and ``step_us`` and
+        ``makespan_us`` are its readings with them.
 
     Returns:
       A :class:`ScheduleReport`.
@@ -103,8 +121,11 @@ def schedule_report(
     Example:
       >>> report = jaxsync.schedule_report(step.lower(state, batch))
       >>> print(report.step_us, report.exposed_us)
+      >>> print(report.makespan_us, report.repriced_us)  # XLA's timeline; repriced
     """
-    return compile_scheduled(lowered, options=options, gpu=gpu, dump_dir=dump_dir, twin=twin)[1]
+    return compile_scheduled(
+        lowered, options=options, gpu=gpu, dump_dir=dump_dir, twin=twin, kernel_times=kernel_times
+    )[1]
 
 
 def compile_scheduled(
@@ -114,6 +135,7 @@ def compile_scheduled(
     gpu: GpuSpec | str | None = None,
     dump_dir: str | None = None,
     twin: bool = True,
+    kernel_times: Mapping[str, float] | str | os.PathLike | None = None,
 ) -> tuple[Any, ScheduleReport]:
     """:func:`schedule_report`, and the executable it modeled (to run it on real GPUs
     and set its measured step beside the model: ``benchmarks/bench_gpu_real.py``)."""
@@ -123,9 +145,16 @@ def compile_scheduled(
             f"TrainStep.lower(...)), got {type(lowered).__name__}."
         )
     options, dump_dir = _check_args(options, gpu, dump_dir, twin)
+    table = kernel_table(kernel_times)
     opts = {**SCHEDULE_OPTIONS, **options}
     with tempfile.TemporaryDirectory() as tmp:
         where = dump_dir or tmp
+        if table and _PGLE not in opts:
+            # XLA's profile-guided latency estimator schedules with the same table
+            # (kernels it names; the rest keep the cost model's price).
+            opts[_PGLE] = os.path.join(tmp, "jaxsync_kernel_times.pbtxt")
+            with open(opts[_PGLE], "w") as f:
+                f.write(profile_text(table))
         compiled = _compile(lowered, {**opts, "xla_dump_to": where})
         text = _schedule_text(where)
         twin_text = None
@@ -144,7 +173,7 @@ def compile_scheduled(
             platform = getattr(getattr(compiled, "_executable", None), "platform", "?")
             raise RuntimeError(_NO_SCHEDULE.format(version=jax.__version__, platform=platform))
         spec = _gpu(gpu, where)
-    report = read_schedule(text, compiled.memory_analysis(), spec, twin_text)
+    report = read_schedule(text, compiled.memory_analysis(), spec, twin_text, table)
     return compiled, dataclasses.replace(report, hlo_text=compiled.as_text())
 
 

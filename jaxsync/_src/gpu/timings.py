@@ -38,6 +38,30 @@ class CollectiveTiming:
 
 
 @dataclasses.dataclass(frozen=True)
+class AsyncTiming:
+    """One asynchronous op that is not a collective (a dynamic slice on another
+    stream, say), as XLA charged it and as :attr:`ScheduleReport.repriced_us` prices it.
+
+    Attributes:
+      name: its start instruction.
+      computation: the computation it sits in.
+      runs: runs per step.
+      bytes: what it reads and writes in device memory per run (a slice at the part
+        it takes).
+      xla_us: its start-to-done span on XLA's timeline (XLA gives such an op a flat
+        5000-cycle latency: 5 ms on the H100 target).
+      repriced_us: ``bytes`` over the target's memory bandwidth.
+    """
+
+    name: str
+    computation: str
+    runs: int
+    bytes: int
+    xla_us: float
+    repriced_us: float
+
+
+@dataclasses.dataclass(frozen=True)
 class Hotspot:
     """One costly instruction: its modeled time per run and runs per step."""
 
@@ -61,7 +85,10 @@ class ComputationTiming:
     same kernels in the pricing twin), ``"roofline"``, or ``"xla+roofline"`` (the
     twin held some of its kernels); ``span_us`` is the scheduler's makespan of it;
     ``walk_us`` is XLA's statistics rule replayed on the dumped (scheduled) order
-    (see :attr:`ScheduleReport.walk_us`).
+    (see :attr:`ScheduleReport.walk_us`); ``repriced_us`` the same walk with
+    non-collective async ops at their bytes and measured kernel times where given,
+    ``measured_us`` the part of it from measured times
+    (see :attr:`ScheduleReport.repriced_us`).
     """
 
     name: str
@@ -71,6 +98,8 @@ class ComputationTiming:
     exposed_us: Mapping[str, float]
     span_us: float = 0.0
     walk_us: float = 0.0
+    repriced_us: float = 0.0
+    measured_us: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,6 +126,12 @@ class ScheduleReport:
         (time x runs), dearest first: where to look for the step's cost.
       hlo_text: the compiled module (``jaxsync.overlap_report(report.hlo_text)``
         says where each collective sits).
+      async_ops: every asynchronous op that is not a collective, repriced at its
+        bytes (:attr:`repriced_us`).
+      bandwidth: the memory bandwidth (bytes/s) they were repriced at: the target
+        GPU's (:class:`jaxsync.GpuSpec`), the rate XLA's cost model gives
+        memory-bound kernels of that target.
+      kernel_table: how many measured kernel times were given (``kernel_times``).
     """
 
     step_us: float
@@ -109,6 +144,9 @@ class ScheduleReport:
     device: str
     hotspots: tuple[Hotspot, ...] = ()
     hlo_text: str = dataclasses.field(default="", repr=False)
+    async_ops: tuple[AsyncTiming, ...] = ()
+    bandwidth: float = 0.0
+    kernel_table: int = 0
 
     @property
     def exposed_total_us(self) -> float:
@@ -161,6 +199,32 @@ class ScheduleReport:
         """
         return sum(c.walk_us * c.runs for c in self.computations)
 
+    @property
+    def repriced_us(self) -> float:
+        """The step walked on the scheduled order (:attr:`walk_us`'s rule), repriced.
+
+        XLA's cost model has no rule for an asynchronous op that is not a collective
+        and charges each a flat 5000 cycles at its done (5 ms on the H100 target);
+        here each is priced at its bytes over :attr:`bandwidth`
+        (:attr:`async_ops`), and each kernel named in ``kernel_times`` at its
+        measured time; a done waits for what is left of its op's time since its
+        start, so what the schedule put between them hides it. A collective keeps
+        its span on XLA's timeline, less idle time there inside a repriced op's span.
+        Without either, it equals :attr:`walk_us`. XLA's own readings stay as they
+        were (:attr:`step_us`, :attr:`makespan_us`).
+        """
+        return sum(c.repriced_us * c.runs for c in self.computations)
+
+    @property
+    def measured_us(self) -> float:
+        """The part of :attr:`repriced_us` priced from measured kernel times."""
+        return sum(c.measured_us * c.runs for c in self.computations)
+
+    @property
+    def measured_share(self) -> float:
+        """``measured_us / repriced_us``: how much of the repriced step was measured."""
+        return self.measured_us / self.repriced_us if self.repriced_us else 0.0
+
     def collective_bytes(self, kind: str | None = None) -> int:
         """Bytes moved per step (result bytes x runs), of one kind or all."""
         return sum(c.bytes * c.runs for c in self.collectives if kind in (None, c.kind))
@@ -183,6 +247,19 @@ class ScheduleReport:
                 "timeline is the schedule)"
             )
         lines.append(f"  priced by XLA's cost model: {self.xla_share:.1%}")
+        if self.async_ops or self.kernel_table:
+            runs = sum(a.runs for a in self.async_ops)
+            lines.append(
+                f"  repriced: {self.repriced_us / 1e3:.3f} ms against {self.walk_us / 1e3:.3f}"
+                f" ms on the same walk: {len(self.async_ops)} asynchronous non-collective ops"
+                f" ({runs} runs per step) at their bytes over {self.bandwidth / 1e12:.2f} TB/s,"
+                f" {self.measured_share:.1%} of it from {self.kernel_table} measured kernel times"
+            )
+            for a in sorted(self.async_ops, key=lambda a: -a.xla_us * a.runs)[:8]:
+                lines.append(
+                    f"    {a.name} ({a.computation}) x {a.runs}: {a.bytes / 2**20:.1f} MiB, "
+                    f"XLA {a.xla_us:.1f} us, repriced {a.repriced_us:.1f} us"
+                )
         for kind, us in sorted(self.exposed_us.items()):
             lines.append(f"  exposed {kind}: {us / 1e3:.3f} ms")
         m = self.memory

@@ -1,0 +1,192 @@
+"""Repricing XLA's schedule: asynchronous copies at their bytes, kernels at measured times.
+
+XLA's latency estimator has no rule for an asynchronous op that is not a collective
+and charges each a flat 5000 cycles (5 ms on the H100 target). A dynamic slice run
+on another stream (``compute_on("gpu_stream:1")`` with XLA's stream annotations on)
+is such an op on this jaxlib, compiled for 2 compile-only H100s. Each test works its
+expected figures out by hand from the HLO shapes and the target's bandwidth.
+"""
+
+import glob
+import os
+import tempfile
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax._src.compute_on import compute_on
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxsync
+from jaxsync._src.gpu.read import read_schedule
+from jaxsync._src.gpu.repricing import kernel_table, profile_text
+
+pytestmark = pytest.mark.skipif(
+    not jaxsync.gpu_target_available(),
+    reason="compile-only GPU meshes need jax-cuda12-plugin (`make test` installs it)",
+)
+L, M, D = 8, 4096, 4096  # a bf16 [L, M, D] stack; one [M, D] layer is 32 MiB
+STREAMS = {"xla_gpu_experimental_stream_annotation": True}
+H100 = jaxsync.GPUS["h100"]
+# One layer read out of the stack and written out (2 x 32 MiB), and the s32 index.
+SLICE_BYTES = 2 * M * D * 2 + 4
+
+
+def _layer(stack, i):
+    with compute_on("gpu_stream:1"):  # an asynchronous dynamic slice
+        return jax.lax.dynamic_index_in_dim(stack, i, 0, keepdims=False)
+
+
+def _lower(fn, *shapes):
+    mesh = jaxsync.gpu_topology("h100", hosts=1, gpus_per_host=2)
+    sh = NamedSharding(mesh, P())
+    args = [jax.ShapeDtypeStruct(s, d, sharding=sh) for s, d in shapes]
+    f = jax.shard_map(fn, mesh=mesh, in_specs=(P(),) * len(args), out_specs=P(),
+                      check_vma=False)  # fmt: skip
+    return jax.jit(f).lower(*args)
+
+
+STACK, INDEX = ((L, M, D), jnp.bfloat16), ((), jnp.int32)
+G, W = ((1 << 22,), jnp.float32), ((D, D), jnp.bfloat16)
+
+
+def _exposed(stack, i, g):
+    """The slice, then what needs it, then an all-reduce of what that gave: nothing
+    can run beside the slice, so its whole time is exposed."""
+    s = _layer(stack, i).astype(jnp.float32).sum()
+    return jax.lax.psum(g * s, "data").sum()
+
+
+@pytest.fixture(scope="module")
+def exposed():
+    return jaxsync.schedule_report(_lower(_exposed, STACK, INDEX, G), options=STREAMS)
+
+
+def test_an_async_slice_is_repriced_at_its_bytes_over_the_bandwidth(exposed):
+    (op,) = exposed.async_ops
+    assert op.runs == 1
+    assert op.bytes == SLICE_BYTES
+    assert exposed.bandwidth == H100.memory_bandwidth
+    assert op.repriced_us == pytest.approx(SLICE_BYTES / 3.35e12 * 1e6)  # 20.03 us
+    assert op.xla_us == pytest.approx(5000.0, abs=1.0)  # XLA's flat charge
+
+
+def test_the_step_loses_what_xla_charged_beyond_the_bytes(exposed):
+    (op,) = exposed.async_ops
+    # Nothing beside the slice: the walk waited XLA's 5 ms, the repriced walk its
+    # 20 us; every other instruction (the all-reduce's latency too) is as it was.
+    assert exposed.walk_us - exposed.repriced_us == pytest.approx(
+        op.xla_us - op.repriced_us, abs=1.0
+    )
+    # XLA's own readings are kept: its timeline still carries the 5 ms.
+    assert exposed.makespan_us > 5000.0 > 10 * exposed.repriced_us
+    (coll,) = exposed.collectives
+    assert coll.kind == "all-reduce"
+    assert exposed.measured_us == 0.0
+    assert "1 asynchronous non-collective ops" in exposed.summary()
+
+
+def test_a_slice_hidden_behind_compute_costs_nothing():
+    """Two matmuls (about 0.35 ms) scheduled beside the slice: repriced at 20 us it
+    waits for nothing, so the repriced step is the sum of its instructions' times."""
+
+    def hidden(stack, i, w, g):
+        part = _layer(stack, i).astype(jnp.float32).sum()
+        a = jnp.tanh(jnp.tanh(w @ w) @ w)
+        return part + a.astype(jnp.float32).sum() + jax.lax.psum(g, "data").sum()
+
+    r = jaxsync.schedule_report(_lower(hidden, STACK, INDEX, W, G), options=STREAMS)
+    (op,) = r.async_ops
+    (body,) = r.computations
+    busy = sum(h.us for h in r.hotspots)  # every kernel's modeled time, once each
+    assert r.makespan_us > 5000.0  # XLA: the slice's 5 ms, the matmuls inside it
+    assert r.repriced_us < busy + 0.1 * (r.makespan_us - busy)
+    assert r.repriced_us >= busy
+    assert body.repriced_us == r.repriced_us
+
+
+def test_in_a_loop_each_iteration_is_repriced():
+    def loop(stack, g):
+        def body(acc, i):
+            return acc + _layer(stack, i).astype(jnp.float32).sum(), None
+
+        acc, _ = jax.lax.scan(body, jnp.zeros(()), jnp.arange(L))
+        return jax.lax.psum(g * acc, "data").sum()
+
+    r = jaxsync.schedule_report(_lower(loop, STACK, G), options=STREAMS)
+    (op,) = r.async_ops
+    assert op.runs == L
+    assert op.bytes == SLICE_BYTES
+    # XLA schedules this loop body only in the pricing twin (its probe in it): its
+    # timeline charges 5 ms per iteration. The body's kernels all wait on the slice,
+    # so the repriced body is their sum (its walk_us, the probe left out) plus the
+    # slice's 20 us, every iteration.
+    (body,) = [c for c in r.computations if c.name == op.computation]
+    assert body.runs == L
+    assert body.repriced_us == pytest.approx(body.walk_us + op.repriced_us, abs=1.0)
+    assert body.span_us > 5000.0 > 100 * body.repriced_us
+    assert r.makespan_us - r.repriced_us > L * (op.xla_us - op.repriced_us) - L * 20.0
+
+
+def test_collectives_alone_are_not_repriced():
+    def rs(g, w):
+        return jnp.tanh(w @ w).sum() + jax.lax.psum_scatter(g, "data", tiled=True).sum()
+
+    r = jaxsync.schedule_report(_lower(rs, G, W))
+    assert r.async_ops == ()
+    assert r.repriced_us == pytest.approx(r.walk_us)
+
+
+# ------------------------------------------------------------- kernel times
+def _times(report):
+    return {h.name: h.us for h in report.hotspots}
+
+
+def test_measured_kernel_times_replace_the_modeled_ones(exposed):
+    """A synthetic table read on the same dump (no recompile): the reduce after the
+    slice is on the critical path, so the step moves by exactly the difference."""
+    text, memory = _dump(_exposed, STACK, INDEX, G)
+    base = read_schedule(text, memory, H100)
+    (name, modeled), *_ = sorted(_times(base).items(), key=lambda kv: -kv[1])
+    table = {name: modeled + 250.0, "not.in.this.program": 1.0}
+    r = read_schedule(text, memory, H100, kernel_times=table)
+    assert r.repriced_us - base.repriced_us == pytest.approx(250.0, abs=1e-6)
+    assert r.measured_us == pytest.approx(modeled + 250.0)
+    assert r.measured_share == pytest.approx((modeled + 250.0) / r.repriced_us)
+    assert r.step_us == base.step_us and r.makespan_us == base.makespan_us  # XLA's
+
+
+def test_xla_reads_the_same_table_as_a_profile(exposed):
+    """schedule_report hands the table to XLA's profile-guided latency estimator: its
+    own timeline then prices the kernel at the measured time."""
+    name, modeled = max(_times(exposed).items(), key=lambda kv: kv[1])
+    r = jaxsync.schedule_report(_lower(_exposed, STACK, INDEX, G), options=STREAMS,
+                                kernel_times={f"fp::{name}": 777.0})  # fmt: skip
+    assert _times(r)[name] == pytest.approx(777.0, abs=0.01)
+    assert r.measured_us == pytest.approx(777.0)
+    assert r.kernel_table == 1
+
+
+def test_kernel_table_formats_and_errors(tmp_path):
+    table = {"fusion.3": 41.5, "custom-call.2": 7}
+    path = tmp_path / "profile.pbtxt"
+    path.write_text(profile_text(table))
+    assert kernel_table(path) == kernel_table(str(path)) == {"fusion.3": 41.5, "custom-call.2": 7.0}
+    assert kernel_table(profile_text(table)) == kernel_table(table)
+    for bad in ({"fusion.3": -1.0}, {"fusion.3": float("nan")}, {3: 1.0}, "no profile here"):
+        with pytest.raises(ValueError, match="kernel_times"):
+            kernel_table(bad)
+    with pytest.raises(TypeError, match="kernel_times"):
+        kernel_table([("fusion.3", 1.0)])
+
+
+def _dump(fn, *shapes):
+    """The schedule dump's text and memory analysis of ``fn``'s program."""
+    with tempfile.TemporaryDirectory() as d:
+        compiled = _lower(fn, *shapes).compile(
+            compiler_options={**jaxsync.SCHEDULE_OPTIONS, **STREAMS, "xla_dump_to": d}
+        )
+        (path,) = glob.glob(os.path.join(d, "*.schedule.txt"))
+        with open(path) as f:
+            return f.read(), compiled.memory_analysis()
