@@ -243,3 +243,18 @@ def test_two_processes_name_the_faulty_device_of_the_other_process(tmp_path):
     for rank in (0, 1):  # every process names the same device: process 1's second
         line = f"[{rank}] case persistent device fault [(3, 1, True)] (0, 1, 3)"
         assert line in out.stdout, out.stdout
+
+
+def test_on_one_device_a_one_off_nan_is_named_from_the_record_and_nothing_rotates():
+    mesh = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1])
+    det = jaxsync.Deterministic(units=4)
+    step = jaxsync.train_step(_faulty_loss("nan once", 0), optax.sgd(0.1), mesh, "ddp",
+                              deterministic=det)  # fmt: skip
+    rerun = jaxsync.Rerun(step)
+    state = step.init(mlp_params(jax.random.PRNGKey(0), sizes=SIZES))
+    xs, ys = make_batches(jax.random.PRNGKey(1), 1, ROWS, SIZES)
+    FAULT["left"] = 4
+    rerun(state, (xs[0], ys[0]))
+    (report,) = rerun.reports
+    assert report.case == "transient fault" and report.units == (0,)
+    assert [tuple(d)[:1] for d in report.devices] == [(0,)]

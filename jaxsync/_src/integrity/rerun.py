@@ -226,7 +226,7 @@ class Rerun:
                    if ambiguous else ""),
             )  # fmt: skip
         elif not report.reproducible and recorded:
-            k = rotation.per_device if rotation else 0
+            k = _units_per_device(self.step)  # deterministic mode records units
             devices = sorted({u // k for u in recorded}) if k else list(recorded)
             fields.update(
                 devices=tuple(device_ref(mesh, d) for d in devices),
@@ -249,6 +249,14 @@ class Rerun:
                 else "every unit gave the same bits on every device",
             )
         return dataclasses.replace(report, **fields)
+
+
+def _units_per_device(step: Any) -> int:
+    """Units each device runs (0 outside deterministic mode)."""
+    det = deterministic_of(step.mode) if hasattr(step, "mode") else None
+    if det is None:
+        return 0
+    return det.units // int(np.prod([step.mesh.shape[a] for a in step.axis_name]))
 
 
 def _recorded(kept: Any, new: Any) -> tuple[int, ...]:
