@@ -258,3 +258,17 @@ def test_on_one_device_a_one_off_nan_is_named_from_the_record_and_nothing_rotate
     (report,) = rerun.reports
     assert report.case == "transient fault" and report.units == (0,)
     assert [tuple(d)[:1] for d in report.devices] == [(0,)]
+
+
+def test_with_two_devices_there_is_no_majority_and_the_report_says_so():
+    mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+    det = jaxsync.Deterministic(units=4)
+    step = jaxsync.train_step(_faulty_loss("flip always", 1), optax.sgd(0.1), mesh, "ddp",
+                              deterministic=det)  # fmt: skip
+    rerun = jaxsync.Rerun(step)
+    state = step.init(mlp_params(jax.random.PRNGKey(0), sizes=SIZES))
+    xs, ys = make_batches(jax.random.PRNGKey(1), 1, ROWS, SIZES)
+    rerun(state, (xs[0], ys[0]))
+    (report,) = rerun.reports
+    assert report.case == "persistent device fault" and report.units == (0, 1, 2, 3)
+    assert [d.index for d in report.devices] == [0, 1] and "one of them" in str(report)
