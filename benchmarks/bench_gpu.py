@@ -34,20 +34,23 @@ AdamW with clipping at global norm 1.0:
 
 Columns: the modeled step by XLA's scheduler statistics (ms) and its ratio to the
 baseline of the same kind (ddp vs replicated, zero vs gspmd_zero1, fsdp vs
-gspmd_fsdp); the same by the scheduler's timeline, XLA's second reading; the
-exposed communication's share of the step; the efficiency, the communication
-bound (:func:`jaxsync.communication_bound`: one GPU's rows alone plus its 1/N of
-AdamW, against a bf16 reduce-scatter and all-gather of the params) over the step,
-on both readings; the share of the step priced by XLA's own cost model (the pricing
-twin leaves almost nothing to the roofline); bytes each GPU sends per step (ring
-algorithms) against the ring bound of an fp32 all-reduce of the gradients,
-2S(N-1)/N; arguments and temporaries per GPU, their sum against the baseline's
-(XLA's buffer assignment: exact), and whether it fits the GPU's memory; the bytes
-each GPU's kernels read and write per step (:func:`jaxsync.hbm_bytes`: loop bodies
-per iteration, collectives excluded; exact for the program) against the
+gspmd_fsdp); the same by the scheduler's timeline, XLA's second reading; the step
+repriced (``ScheduleReport.repriced_us``: the scheduled order walked again with each
+asynchronous op that is not a collective at its bytes over the GPU's memory
+bandwidth, where XLA charges a flat 5000 cycles), its ratio to the timeline, and how
+many such ops run per step; the exposed communication's share of the step; the
+efficiency, the communication bound (:func:`jaxsync.communication_bound`: one GPU's
+rows alone plus its 1/N of AdamW, against a bf16 reduce-scatter and all-gather of
+the params) over the step, on both readings; the share of the step priced by XLA's
+own cost model (the pricing twin leaves almost nothing to the roofline); bytes each
+GPU sends per step (ring algorithms) against the ring bound of an fp32 all-reduce of
+the gradients, 2S(N-1)/N; arguments and temporaries per GPU, their sum against the
+baseline's (XLA's buffer assignment: exact), and whether it fits the GPU's memory;
+the bytes each GPU's kernels read and write per step (:func:`jaxsync.hbm_bytes`:
+loop bodies per iteration, collectives excluded; exact for the program) against the
 baseline's. The bound prices plain AdamW (clipping is one more elementwise pass).
-Each method is compiled twice: with XLA's defaults and with the collective
-flags of JAX's GPU performance guide (:data:`jaxsync.GPU_PERFORMANCE_OPTIONS`).
+Each method is compiled twice: with XLA's defaults and with the collective flags of
+JAX's GPU performance guide (:data:`jaxsync.GPU_PERFORMANCE_OPTIONS`).
 """
 
 from __future__ import annotations
@@ -392,7 +395,8 @@ def main() -> None:
             reports[case.name] = jaxsync.schedule_report(lowered, options=options)
             print(f"  [{flag_name}] {case.name}: compiled in {time.perf_counter() - t0:.0f} s, "
                   f"{reports[case.name].step_us / 1e3:.2f} ms", flush=True)  # fmt: skip
-        head = ["method", "step ms", "vs ref", "timeline ms", "vs ref", "exposed %",
+        head = ["method", "step ms", "vs ref", "timeline ms", "vs ref", "repriced ms",
+                "repriced / timeline", "async ops", "exposed %",
                 "of bound", "of bound (timeline)", "XLA-priced", "sent / ring bound",
                 "args MiB", "temps MiB", "vs ref", "fits", "HBM GB", "vs ref"]  # fmt: skip
         rows_out = []
@@ -404,6 +408,8 @@ def main() -> None:
                 f"{r.step_us / ref.step_us:.2f}x" if ref else "",
                 f"{r.makespan_us / 1e3:.2f}",
                 f"{r.makespan_us / ref.makespan_us:.2f}x" if ref else "",
+                f"{r.repriced_us / 1e3:.2f}", f"{r.repriced_us / r.makespan_us:.2f}",
+                f"{sum(a.runs for a in r.async_ops)}",
                 f"{r.exposed_total_us / r.step_us:.1%}",
                 f"{bound.efficiency(r):.0%}" if bound else "",
                 f"{bound.efficiency(r, 'timeline'):.0%}" if bound else "",

@@ -12,7 +12,10 @@ process on a mesh of the local GPUs and is:
 - compiled for the real devices with :data:`jaxsync.SCHEDULE_OPTIONS` (cuBLAS
   matmuls, the scheduler's dump on); the table gives that executable's modeled
   step (``model ms``) and its measured one (``measured ms``: the mean of
-  ``--steps`` steps dispatched back to back, best of 3 rounds, after 2 warm-ups);
+  ``--steps`` steps dispatched back to back, best of 3 rounds, after 2 warm-ups),
+  and the model repriced (``repriced ms``: ``ScheduleReport.repriced_us``, each
+  asynchronous op that is not a collective at its bytes over the GPU's memory
+  bandwidth instead of XLA's flat 5000 cycles; ``async ops``: how many run per step);
 - compiled again with XLA's defaults (autotuned Triton matmuls), what a user
   runs (``defaults ms``);
 - compiled for a compile-only mesh of the same size from jaxsync's own target
@@ -134,6 +137,8 @@ def one(name: str, size: str, steps: int, gpu: str, target: str) -> dict:
     if report is not None:
         out["model_ms"] = report.step_us / 1e3
         out["makespan_ms"] = report.makespan_us / 1e3
+        out["repriced_ms"] = report.repriced_us / 1e3
+        out["async_ops"] = sum(a.runs for a in report.async_ops)
         out["roofline_ms"] = report.roofline_us / 1e3
         out["model_mib"] = (report.memory["arguments"] + report.memory["temps"]) / 2**20
     default_fn = case.fn.lower(state, tokens).compile()
@@ -147,6 +152,7 @@ def one(name: str, size: str, steps: int, gpu: str, target: str) -> dict:
             tcase = cases(cfg, tmesh, tokens_shape)[name]
             tr = jaxsync.schedule_report(tcase.fn.lower(*tcase.args))
             out["target_ms"] = tr.step_us / 1e3
+            out["target_repriced_ms"] = tr.repriced_us / 1e3
             out["target_mib"] = (tr.memory["arguments"] + tr.memory["temps"]) / 2**20
         except Exception as e:  # the twin is a cross-check; the measurement stands alone
             out["target_error"] = f"{type(e).__name__}: {str(e)[:300]}"
@@ -161,7 +167,8 @@ def cfg_params(cfg) -> int:
 
 def table(rows: list[dict]) -> str:
     head = ["method", "measured ms", "model ms", "model / measured", "makespan ms",
-            "makespan / measured", "of it roofline ms",
+            "makespan / measured", "repriced ms", "repriced / measured", "async ops",
+            "of it roofline ms",
             "target ms", "defaults ms", "6ND TFLOP/s", "peak MiB", "model MiB",
             "target MiB", "compile s"]  # fmt: skip
 
@@ -172,8 +179,10 @@ def table(rows: list[dict]) -> str:
     for r in rows:
         ratio = f"{r['model_ms'] / r['measured_ms']:.2f}" if "model_ms" in r else "-"
         span = f"{r['makespan_ms'] / r['measured_ms']:.2f}" if "makespan_ms" in r else "-"
+        rep = f"{r['repriced_ms'] / r['measured_ms']:.2f}" if "repriced_ms" in r else "-"
         body.append([r["method"], f(r, "measured_ms"), f(r, "model_ms"), ratio,
-                     f(r, "makespan_ms"), span,
+                     f(r, "makespan_ms"), span, f(r, "repriced_ms"), rep,
+                     f(r, "async_ops", "{:d}"),
                      f(r, "roofline_ms"), f(r, "target_ms"), f(r, "defaults_ms"),
                      f(r, "tflops", "{:.0f}"), f(r, "peak_mib", "{:.0f}"),
                      f(r, "model_mib", "{:.0f}"), f(r, "target_mib", "{:.0f}"),
