@@ -20,7 +20,8 @@ from jax.sharding import PartitionSpec as P
 
 import jaxsync
 from jaxsync._src.gpu.read import read_schedule
-from jaxsync._src.gpu.repricing import kernel_table, profile_text
+from jaxsync._src.gpu.repricing import async_bytes, kernel_table, profile_text
+from jaxsync._src.gpu.textproto import parse
 
 pytestmark = pytest.mark.skipif(
     not jaxsync.gpu_target_available(),
@@ -190,3 +191,40 @@ def _dump(fn, *shapes):
         (path,) = glob.glob(os.path.join(d, "*.schedule.txt"))
         with open(path) as f:
             return f.read(), compiled.memory_analysis()
+
+
+def _inst(id_, op, dtype, dims, operands=(), called=(), number=None):
+    shape = f"shape {{ element_type: {dtype} " + "".join(f"dimensions: {d} " for d in dims) + "}"
+    fields = [f"id: {id_}", f'opcode: "{op}"', f'name: "{op}.{id_}"', shape]
+    fields += [f"operand_ids: {o}" for o in operands]
+    fields += [f"called_computation_ids: {c}" for c in called]
+    fields += [f"parameter_number: {number}"] if number is not None else []
+    return "instructions { " + " ".join(fields) + " }"
+
+
+def test_an_in_place_update_counts_its_update_only():
+    """An async op whose fusion writes one row into a [8, 1024] bf16 buffer in place:
+    it reads the row (2 KiB) and the index (4 B) and writes the row, and reads none
+    of the buffer; a slice fusion reads and writes its slice (checked on the HLO
+    protos by hand, no compile)."""
+    fused = " ".join([
+        _inst(1, "parameter", "BF16", (8, 1024), number=0),
+        _inst(2, "parameter", "BF16", (1, 1024), number=1),
+        _inst(3, "parameter", "S32", (), number=2),
+        _inst(4, "constant", "S32", ()),
+        _inst(5, "dynamic-update-slice", "BF16", (8, 1024), operands=(1, 2, 3, 4)),
+    ])  # fmt: skip
+    wrapper = " ".join([
+        _inst(11, "parameter", "BF16", (8, 1024), number=0),
+        _inst(12, "parameter", "BF16", (1, 1024), number=1),
+        _inst(13, "parameter", "S32", (), number=2),
+        _inst(14, "fusion", "BF16", (8, 1024), operands=(11, 12, 13), called=(1,)),
+    ])  # fmt: skip
+    text = (f"c {{ id: 1 {fused} }} c {{ id: 2 {wrapper} }} "
+            + _inst(21, "async-start", "BF16", (8, 1024), called=(2,))
+            + " " + _inst(22, "async-done", "BF16", (8, 1024), operands=(21,)))  # fmt: skip
+    proto = parse(text)
+    comps = {c.one("id"): c for c in proto.all("c")}
+    insts = {i.one("id"): i for c in comps.values() for i in c.all("instructions")}
+    insts.update({i.one("id"): i for i in proto.all("instructions")})
+    assert async_bytes(insts[21], insts[22], comps, insts) == 2 * 1024 * 2 + 4

@@ -91,8 +91,7 @@ def async_bytes(start: Message, done: Message, comps, insts) -> int:
     kernels = [i for i in wrapped(start, comps) if _kernel(i)]
     if not kernels:
         return 2 * shape_bytes(done.one("shape"))
-    local = {i.one("id"): i for i in wrapped(start, comps)}
-    return sum(_kernel_bytes(k, comps, {**insts, **local}) for k in kernels)
+    return sum(_kernel_bytes(k, comps, insts) for k in kernels)
 
 
 def _kernel(inst: Message) -> bool:
