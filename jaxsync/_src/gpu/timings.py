@@ -247,7 +247,7 @@ class ScheduleReport:
                 "timeline is the schedule)"
             )
         lines.append(f"  priced by XLA's cost model: {self.xla_share:.1%}")
-        if self.async_ops or self.kernel_table:
+        if self.bandwidth:  # read from a dump (the rule below applied)
             runs = sum(a.runs for a in self.async_ops)
             lines.append(
                 f"  repriced: {self.repriced_us / 1e3:.3f} ms against {self.walk_us / 1e3:.3f}"
