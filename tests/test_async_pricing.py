@@ -107,6 +107,25 @@ def test_a_slice_hidden_behind_compute_costs_nothing():
     assert body.repriced_us == r.repriced_us
 
 
+def test_a_collective_inside_the_slices_span_keeps_its_latency():
+    """An all-reduce independent of the slice: XLA puts it inside the slice's 5 ms.
+    Repriced, the slice (20 us) and the reduce of it (10 us) fit inside the
+    all-reduce's 0.1 ms, so the step is what the all-reduce's half of the program
+    costs alone: the all-reduce keeps its latency."""
+
+    def both(stack, i, g):
+        return _layer(stack, i).astype(jnp.float32).sum() + jax.lax.psum(g, "data").sum()
+
+    r = jaxsync.schedule_report(_lower(both, STACK, INDEX, G), options=STREAMS)
+    alone = jaxsync.schedule_report(_lower(lambda g: jax.lax.psum(g, "data").sum(), G))
+    (op,) = r.async_ops
+    (coll,) = r.collectives
+    assert op.xla_us > coll.modeled_us > 3 * op.repriced_us
+    assert alone.async_ops == () and alone.exposed_us["all-reduce"] > 90.0
+    assert r.makespan_us > 5000.0
+    assert r.repriced_us == pytest.approx(alone.walk_us, abs=2.0)
+
+
 def test_in_a_loop_each_iteration_is_repriced():
     def loop(stack, g):
         def body(acc, i):

@@ -195,10 +195,13 @@ def walk(
     Each instruction takes its modeled duration, or the measured one where
     ``table`` names it; at each async done the walk waits for what is left of its
     op's time since its start. A collective's time is its start-to-done span on
-    XLA's timeline (its modeled latency where the scheduler waited on it), less any
-    idle time there that lies inside a repriced op's span (the idle was that op's
-    wait); a non-collective op's (in device memory) is its bytes over
-    ``bandwidth``. ``skip``: instructions left out (the pricing twin's probe).
+    XLA's timeline, as in :attr:`ScheduleReport.walk_us`: XLA's scheduler works from
+    the end of a computation back and places a start once its latency is covered
+    unless other work is ready, so time left idle inside a collective's span is time
+    its latency still needed, even where a repriced op's span holds it too
+    (``tests/test_async_pricing.py``). A non-collective op's time (in device
+    memory) is its bytes over ``bandwidth``. ``skip``: instructions left out (the
+    pricing twin's probe).
 
     Returns ``(walked, measured, repriced)``: the walk, the part of it priced from
     ``table``, and per repriced op ``(start, bytes, XLA's span, repriced time)``.
@@ -211,18 +214,13 @@ def walk(
     ]  # fmt: skip
     rows = [r for r in rows if not skip(r[0])]
     where = {inst.one("id"): k for k, (inst, _, _) in enumerate(rows)}
-    idle, prev = [], 0.0
-    for _, a, b in rows:
-        if a > prev:
-            idle.append((prev, a))
-        prev = max(prev, b)
     pairs = {}  # done's row -> (its start's row, XLA's span, the start, a collective's?)
     for k, (inst, _, end) in enumerate(rows):
         ops = inst.all("operand_ids")
         if inst.one("opcode").endswith("-done") and ops and ops[0] in where:
             start, _, start_end = rows[where[ops[0]]]
             pairs[k] = (where[ops[0]], start_end, end, is_collective(start, comps))
-    need, repriced, spans = {}, [], []  # done's row -> the op's time from its start's end
+    need, repriced = {}, []  # done's row -> the op's time from its start's end
     for k, (s, start_end, end, coll) in pairs.items():
         start, done = rows[s][0], rows[k][0]
         if not coll and not on_host(start, done, insts):
@@ -230,9 +228,8 @@ def walk(
             price = nbytes / bandwidth * 1e6
             repriced.append((start, nbytes, end - start_end, price))
             need[k] = price + rows[k][2] - rows[k][1]  # and the done's own duration
-            spans.append((start_end, end))
-    for k, (_, start_end, end, _) in pairs.items():
-        need.setdefault(k, end - start_end - _idle_in(idle, start_end, end, spans))
+        else:
+            need[k] = end - start_end
     now, measured, at = 0.0, 0.0, {}
     for k, (inst, a, b) in enumerate(rows):
         us = table.get(inst.one("name")) if _kernel(inst) else None
@@ -242,18 +239,3 @@ def walk(
             now = max(now, at[pairs[k][0]] + need[k])
         at[k] = now
     return now, measured, repriced
-
-
-def _idle_in(idle, a: float, b: float, spans) -> float:
-    """Idle time of the timeline inside ``[a, b]`` and inside some span of ``spans``."""
-    total = 0.0
-    for x, y in idle:
-        lo, hi = max(x, a), min(y, b)
-        if hi <= lo:
-            continue
-        cover = sorted((max(lo, s), min(hi, e)) for s, e in spans if min(hi, e) > max(lo, s))
-        last = lo
-        for s, e in cover:
-            total += max(0.0, e - max(s, last))
-            last = max(last, e)
-    return total

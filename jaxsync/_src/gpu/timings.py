@@ -209,7 +209,7 @@ class ScheduleReport:
         (:attr:`async_ops`), and each kernel named in ``kernel_times`` at its
         measured time; a done waits for what is left of its op's time since its
         start, so what the schedule put between them hides it. A collective keeps
-        its span on XLA's timeline, less idle time there inside a repriced op's span.
+        its span on XLA's timeline, as in :attr:`walk_us`.
         Without either, it equals :attr:`walk_us`. XLA's own readings stay as they
         were (:attr:`step_us`, :attr:`makespan_us`).
         """
