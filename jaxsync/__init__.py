@@ -65,6 +65,7 @@ from jaxsync._src.multihost.data import shard_batch as shard_batch
 from jaxsync._src.multihost.distributed import ProcessInfo as ProcessInfo
 from jaxsync._src.multihost.distributed import initialize as initialize
 from jaxsync._src.optim.clip import clip_by_global_norm as clip_by_global_norm
+from jaxsync._src.optim.logged import TrainerMetrics as TrainerMetrics
 from jaxsync._src.optim.loss_scale import DynamicLossScale as DynamicLossScale
 from jaxsync._src.optim.loss_scale import LossScaleState as LossScaleState
 from jaxsync._src.optim.metrics import nonfinite_report as nonfinite_report
@@ -172,6 +173,7 @@ __all__ = [
     "SequenceParallel",
     "ShardedGrads",
     "StepMetrics",
+    "TrainerMetrics",
     "SyncRules",
     "Tied",
     "TrainState",

@@ -37,6 +37,7 @@ from ..core.cpu_order import put
 from ..core.names import param_name
 from ..fsdp import shards as fsdp_shards
 from ..fsdp.held import FsdpShards
+from ..optim.state import saved_metrics
 from ..step.held import strip
 from ..step.shard_tag import tag_of
 from ..step.train_state import TrainState
@@ -119,8 +120,16 @@ def to_portable(ts: Any, state: TrainState, fn: str) -> dict[str, Any]:
         "params": params,
         "opt_state": opt,
         "model_state": _keys_to_data(state.model_state),
-        "guard": {} if guard is None else guard,
+        "guard": saved_guard(guard),
     }
+
+
+def saved_guard(guard: Any) -> Any:
+    """A guard's saved form (``{}`` for none): its metrics without the fields the step
+    does not record (restored by count into the step's structure, :func:`from_portable`)."""
+    if guard is None or not hasattr(guard, "metrics"):
+        return {} if guard is None else guard
+    return guard._replace(metrics=saved_metrics(guard.metrics))
 
 
 def portable_like(ts: Any, like: TrainState, fn: str) -> dict[str, Any]:
@@ -152,7 +161,7 @@ def portable_like(ts: Any, like: TrainState, fn: str) -> dict[str, Any]:
         "params": params,
         "opt_state": opt,
         "model_state": model_state,
-        "guard": guard,
+        "guard": saved_guard(guard),
     }
 
 

@@ -84,7 +84,10 @@ def check_state(state: Any, layout: Layout, expected: Any, fn: str) -> None:
                     f"{tuple(np.shape(a))}, expected {b.shape}"
                 )
     for name, a, b in zip(state.metrics._fields, state.metrics, expected.metrics, strict=True):
-        if tuple(np.shape(a)) != b.shape:
+        if (a is None) != (b is None):  # the optional metrics (optim.logged)
+            fail(f"state.metrics.{name} is {'None' if a is None else 'set'}, expected "
+                 f"{'None' if b is None else 'an array'}: the step's `metrics=` differs")
+        elif a is not None and tuple(np.shape(a)) != b.shape:
             fail(f"state.metrics.{name} has shape {tuple(np.shape(a))}, expected {b.shape}")
 
 
@@ -181,3 +184,16 @@ def check_labels(params: PyTree, labels: PyTree, inner: Any) -> None:
             f"`labels` uses {missing}, which `inner` has no transformation for; "
             f"`inner` has keys {sorted(inner)}."
         )
+
+
+def check_sharded_grads(grads: ShardedGrads, layout: Layout) -> tuple[jax.Array, ...]:
+    """The shards of ``grads``, after checking they fit ``layout``'s buffers."""
+    expected = [(*b.lead, layout.shard_size(i)) for i, b in enumerate(layout.buffers)]
+    got = [tuple(s.shape) for s in grads.shards]
+    if got != expected:
+        raise ValueError(
+            f"`grads` are ShardedGrads with shard shapes {got}, but this optimizer's layout "
+            f"for these params has {expected}. Compute them with "
+            "`jaxsync.value_and_grad(..., sync=tx)` using this same `tx` and params."
+        )
+    return grads.shards

@@ -63,10 +63,18 @@ def with_fp32_master(inner: optax.GradientTransformation) -> optax.GradientTrans
     def update(grads: PyTree, state: MasterState, params: PyTree = None) -> tuple[Any, Any]:
         if params is None:
             raise ValueError("with_fp32_master needs the params in update().")
-        updates, inner_state = inner.update(jax.tree.map(_fp32, grads), state.inner_state,
-                                            state.master)  # fmt: skip
-        master = optax.apply_updates(state.master, updates)
-        out = jax.tree.map(lambda m, p: m - _fp32(p), master, params)
-        return out, MasterState(master, inner_state)
+        return master_update(inner, grads, state, params)[:2]
 
     return optax.GradientTransformation(init, update)
+
+
+def master_update(
+    inner: optax.GradientTransformation, grads: PyTree, state: MasterState, params: PyTree
+) -> tuple[PyTree, MasterState, PyTree]:
+    """:func:`with_fp32_master`'s update, and ``inner``'s own updates (the ones a
+    trainer's update norm measures: :mod:`jaxsync._src.optim.logged`)."""
+    updates, inner_state = inner.update(jax.tree.map(_fp32, grads), state.inner_state,
+                                        state.master)  # fmt: skip
+    master = optax.apply_updates(state.master, updates)
+    out = jax.tree.map(lambda m, p: m - _fp32(p), master, params)
+    return out, MasterState(master, inner_state), updates

@@ -85,6 +85,10 @@ def next_metrics(
         consecutive_skips=jnp.where(finite, 0, prev.consecutive_skips + 1).astype(jnp.int32),
         nonfinite_devices=count,
         first_nonfinite_device=first,
+        # The trainer's metrics (optim.logged) carried over until the step sets them.
+        update_norm=prev.update_norm,
+        param_norm=prev.param_norm,
+        learning_rate=prev.learning_rate,
     )
 
 

@@ -22,6 +22,7 @@ from jax.sharding import PartitionSpec as P
 from ..core.axes import AxisName, bound_axes, mesh_axes_size, normalize_axes, rank, to_varying
 from ..core.specs import param_specs_of
 from ..core.tree_reduce import count_zeros
+from ..core.validate import check_bool
 from ..deterministic.exact import UNIT_GRADS_WITHOUT_MODE, exact_shards
 from ..deterministic.units import Deterministic, UnitGrads, check_deterministic
 from ..layout.layout import Layout
@@ -30,8 +31,14 @@ from ..layout.placement import check_bucket_size, normalize_stacked
 from ..sync.collectives import bucket_reduce_scatter, gather_params
 from ..sync.finalize import SyncRules
 from ..sync.scan_sync import ShardedGrads
-from .checks import check_multi_steps_clip, check_optimizer_args, check_update
+from .checks import (
+    check_multi_steps_clip,
+    check_optimizer_args,
+    check_sharded_grads,
+    check_update,
+)
 from .layerwise import as_written
+from .logged import shard_sums, with_norms
 from .loss_scale import LossScale, active_scale, check_loss_scale, update_loss_scale
 from .metrics import next_metrics
 from .plan import Labels, Plan
@@ -141,19 +148,6 @@ class DistributedOptimizer(optax.GradientTransformationExtraArgs):
         return self.__dict__["config"]
 
 
-def check_sharded_grads(grads: ShardedGrads, layout: Layout) -> tuple[jax.Array, ...]:
-    """The shards of ``grads``, after checking they fit ``layout``'s buffers."""
-    expected = [(*b.lead, layout.shard_size(i)) for i, b in enumerate(layout.buffers)]
-    got = [tuple(s.shape) for s in grads.shards]
-    if got != expected:
-        raise ValueError(
-            f"`grads` are ShardedGrads with shard shapes {got}, but this optimizer's layout "
-            f"for these params has {expected}. Compute them with "
-            "`jaxsync.value_and_grad(..., sync=tx)` using this same `tx` and params."
-        )
-    return grads.shards
-
-
 NEED_PARAMS = (
     "distributed_optimizer.update needs `params`: it returns updates relative to "
     "them. Call `tx.update(grads, state, params)`."
@@ -173,6 +167,7 @@ def distributed_optimizer(
     rules: SyncRules | None = None,
     stacked: str | Sequence[str] | None = None,
     deterministic: Deterministic | bool | None = None,
+    norms: bool = False,
 ) -> DistributedOptimizer:
     """Wraps an elementwise optax optimizer into a ZeRO sharded optimizer.
 
@@ -224,6 +219,9 @@ def distributed_optimizer(
         params, master, state, norm and skips are the same bits at any DP size
         dividing its ``units``. Plain data parallelism only (no ``rules``,
         ``stacked`` or params sharded over other axes); ``reduce_dtype`` fp32.
+      norms: also record ``state.metrics.update_norm`` (the inner optimizer's
+        update) and ``param_norm`` (the fp32 master), summed on the shards with
+        one extra all-reduce of two floats (exactly in deterministic mode).
 
     Returns:
       A :class:`DistributedOptimizer` (an ``optax.GradientTransformationExtraArgs``).
@@ -295,6 +293,7 @@ def distributed_optimizer(
         rules,
         stacked,
         det,
+        norms=check_bool(norms, "norms"),
     )
 
     def init_fn(params: PyTree) -> DistributedOptimizerState:
@@ -416,7 +415,7 @@ def apply_shards(
             jnp.where(keep, s, (s / grad_norm.astype(s.dtype)) * cfg.clip_grad_norm) for s in shards
         )
 
-    new_master, new_inner, out = [], [], []
+    new_master, new_inner, out, updates = [], [], [], []
     for bi, buf in enumerate(layout.buffers):
         master = state.master[bi]
         # A skipped step selects every output back to its old value, so a NaN in
@@ -429,6 +428,7 @@ def apply_shards(
             lambda a, b: jnp.where(finite, a, b), inner_state, state.inner_state[bi]
         )
         new_inner.append(inner_state)
+        updates.append(upd)
         # The barrier makes the state and the gathered params one computation:
         # XLA may otherwise duplicate the add into two fusions that round
         # differently (an FMA in one of them), and params drift off the master.
@@ -437,10 +437,13 @@ def apply_shards(
         # Gather the new params in their own dtype (bf16: half the bytes).
         out.append(new_master[-1].astype(buf.key.dtype))
     gathered = gather_params(tuple(out), layout, cfg.axes, params, skip=held)
+    metrics = next_metrics(state.metrics, grads, finite, grad_norm, num_zeros, unit_flags)
+    if cfg.norms:  # where the update is made: on the shards, one psum of two floats
+        metrics = with_norms(metrics, shard_sums(cfg, layout, updates, new_master, finite))
     new_state = DistributedOptimizerState(
         master=tuple(new_master),
         inner_state=tuple(new_inner),
         loss_scale=update_loss_scale(cfg.loss_scale, state.loss_scale, finite),
-        metrics=next_metrics(state.metrics, grads, finite, grad_norm, num_zeros, unit_flags),
+        metrics=metrics,
     )
     return gathered, new_state

@@ -69,8 +69,11 @@ class Plan:
         rules: SyncRules | None = None,
         stacked: tuple[str, ...] = (),
         deterministic: Any = None,
+        norms: bool = False,
     ):
         self.deterministic = deterministic
+        self.norms = norms  # update and param norms in the metrics (optim.logged)
+        self.rate = False  # a learning rate in the metrics: set by jaxsync.train_step
         self.rules = rules
         self.stacked = stacked
         self.inner = inner
@@ -236,7 +239,7 @@ class Plan:
             master=tuple(master),
             inner_state=tuple(inner_state),
             loss_scale=init_loss_scale(self.loss_scale),
-            metrics=initial_metrics(len(layout.slots)),
+            metrics=initial_metrics(len(layout.slots), self.norms, self.rate),
         )
 
     def check(self, params: PyTree, layout: Layout) -> None:

@@ -29,7 +29,7 @@ from ..core.names import param_name
 from ..layout.layout import Layout
 from . import layerwise
 from .loss_scale import LossScaleState
-from .state import DistributedOptimizerState, StepMetrics
+from .state import DistributedOptimizerState, metrics_from
 
 PyTree = Any
 
@@ -330,7 +330,7 @@ def from_portable(
             master=tuple(master),
             inner_state=tuple(inner),
             loss_scale=LossScaleState(*portable["loss_scale"]),
-            metrics=StepMetrics(*portable["metrics"]),
+            metrics=metrics_from(portable["metrics"], plan.norms, plan.rate),
         )
 
     shardings = jax.tree.map(
@@ -375,7 +375,7 @@ def portable_fn(plan: Any, params: PyTree, mesh: Mesh) -> tuple[Any, Any, Any]:
             "master": master,
             "inner_state": inner,
             "loss_scale": tuple(state.loss_scale),
-            "metrics": tuple(state.metrics),
+            "metrics": tuple(x for x in state.metrics if x is not None),
         }
 
     def sharding_for(path: Any, x: Any) -> NamedSharding:
@@ -391,7 +391,10 @@ def portable_fn(plan: Any, params: PyTree, mesh: Mesh) -> tuple[Any, Any, Any]:
 
     abstract = jax.eval_shape(lambda p: plan.init_for_rank(p, layout, lambda _: 0), local)
     glob = jax.tree.map(
-        lambda x, s: jax.ShapeDtypeStruct(global_shape(x.shape, s, sizes), x.dtype),
+        # None: metrics a step does not record (optim.logged)
+        lambda x, s: (
+            None if x is None else jax.ShapeDtypeStruct(global_shape(x.shape, s, sizes), x.dtype)
+        ),
         abstract,
         specs,
         is_leaf=lambda x: isinstance(x, P) or x is None,

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import collections
+import functools
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -30,6 +32,20 @@ class StepMetrics(NamedTuple):
       first_nonfinite_device: per param, the lowest such device (its index in
         ``mesh.devices.flat``; deterministic mode: the lowest unit), -1 where
         none. :func:`jaxsync.nonfinite_report` turns both into a message naming params and devices.
+      update_norm: global L2 norm of the update the optimizer applied (optax's
+        ``updates``, from the clipped gradient; 0 on a skipped step). ``None``
+        unless the step was built with ``metrics=`` (:class:`jaxsync.TrainerMetrics`).
+      param_norm: global L2 norm of the params after the step (fp32: the master
+        weights where the mode keeps them); ``None`` unless ``metrics=``.
+      learning_rate: the rate of the last applied update (a skipped step keeps the
+        previous one; 0 before the first); ``None`` unless ``metrics=`` names or
+        finds a learning rate.
+
+    Why three optional fields here and not a separate record: a trainer reads every
+    diagnostic of the step in one place, ``state.metrics``, in every mode, and each
+    mode already builds this tuple where the update is made. ``None`` is an empty
+    pytree, so with the metrics off the state has the same leaves as before and the
+    step the same program; older checkpoints (seven fields) restore unchanged.
     """
 
     grad_norm: jax.Array
@@ -39,11 +55,16 @@ class StepMetrics(NamedTuple):
     consecutive_skips: jax.Array
     nonfinite_devices: jax.Array
     first_nonfinite_device: jax.Array
+    update_norm: jax.Array | None = None
+    param_norm: jax.Array | None = None
+    learning_rate: jax.Array | None = None
 
 
-def initial_metrics(num_params: int) -> StepMetrics:
-    """Metrics before the first step, for ``num_params`` param leaves."""
+def initial_metrics(num_params: int, norms: bool = False, rate: bool = False) -> StepMetrics:
+    """Metrics before the first step, for ``num_params`` param leaves; with ``norms``
+    the update and param norms, with ``rate`` the learning rate (all zero)."""
     zero_i = jnp.zeros((), jnp.int32)
+    zero_f = lambda: jnp.zeros((), jnp.float32)  # noqa: E731  (a buffer each)
     return StepMetrics(
         grad_norm=jnp.zeros((), jnp.float32),
         num_zeros=zero_i,
@@ -52,9 +73,31 @@ def initial_metrics(num_params: int) -> StepMetrics:
         consecutive_skips=zero_i,
         nonfinite_devices=jnp.zeros((num_params,), jnp.int32),
         first_nonfinite_device=jnp.full((num_params,), -1, jnp.int32),
+        update_norm=zero_f() if norms else None,
+        param_norm=zero_f() if norms else None,
+        learning_rate=zero_f() if rate else None,
     )
 
 
+
+@functools.cache
+def _saved_type(fields: tuple[str, ...]) -> type:
+    return collections.namedtuple("StepMetrics", fields)
+
+
+def saved_metrics(metrics: StepMetrics) -> Any:
+    """``metrics`` as a checkpoint holds it: the fields that are not None, by name (a
+    step without ``metrics=`` saves the seven fields checkpoints always held)."""
+    present = [(k, v) for k, v in zip(metrics._fields, metrics, strict=True) if v is not None]
+    return _saved_type(tuple(k for k, _ in present))(*(v for _, v in present))
+
+
+def metrics_from(saved: Any, norms: bool, rate: bool) -> StepMetrics:
+    """:class:`StepMetrics` from its checkpoint form (the fields that are not None, in
+    order): the first seven, then the norms and the rate where the step records them."""
+    base, extra = tuple(saved[:7]), iter(saved[7:])
+    pick = lambda on: next(extra) if on else None  # noqa: E731
+    return StepMetrics(*base, pick(norms), pick(norms), pick(rate))
 
 
 class DistributedOptimizerState(NamedTuple):

@@ -19,6 +19,7 @@ from ..deterministic.exact import nonfinite_flags
 from ..fsdp.grad import split_microbatches
 from ..fsdp.grad import value_and_grad as fsdp_value_and_grad
 from ..fsdp.held import FsdpShards, plain
+from ..optim.logged import TreeNorms, rate_of, with_rate
 from ..optim.master import MasterState
 from ..sync.grad_sync import all_reduce_grads, value_and_grad
 from ..sync.reduction import BUCKETED
@@ -67,6 +68,10 @@ def zero_body(cfg: Any, plan: Plan, state: TrainState, batch: Any) -> tuple[Trai
         (loss, rest), grads = grads_of(cfg, plan, state, batch, tx if cfg.stacked else None)
         new_params, opt_state = tx.apply_gradients(grads, state.opt_state, state.params)
     finite = jnp.logical_not(opt_state.metrics.skipped)
+    if cfg.metrics is not None:  # the norms are the optimizer's; the rate, the step's
+        rate = rate_of(cfg.metrics, state.step, opt_state)
+        metrics = with_rate(opt_state.metrics, state.opt_state.metrics, rate, finite)
+        opt_state = opt_state._replace(metrics=metrics)
     new = state._replace(
         step=state.step + finite.astype(jnp.int32),
         params=new_params,
@@ -130,7 +135,8 @@ def ddp_body(cfg: Any, plan: Plan, state: TrainState, batch: Any) -> tuple[Train
     # Deterministic: per-device flags would depend on the DP size; flag units, as ZeRO.
     units = nonfinite_flags(local) if mode.deterministic is not None else None
     flags = grads if units is not None else local
-    return finish(cfg, plan, state, grads, flags, stats, loss, rest, batch, units)
+    norms = TreeNorms(inner=cfg.tx)  # replicated: every leaf whole, no collective
+    return finish(cfg, plan, state, grads, flags, stats, loss, rest, batch, units, norms)
 
 
 def widened(grads: Any, dtype: Any) -> Any:
@@ -160,5 +166,6 @@ def fsdp_body(cfg: Any, plan: Plan, state: TrainState, batch: Any) -> tuple[Trai
     )  # fmt: skip
     grads = unscale(grads, scale_of(cfg, state))
     stats = global_stats(grads, fs.axes, padding_of([fs.layout(u) for u in fs.units]))
-    new, out = finish(cfg, plan, state, grads, grads, stats, loss, rest, batch)
+    norms = TreeNorms(axes=fs.axes)  # every leaf a shard: one psum of two floats
+    new, out = finish(cfg, plan, state, grads, grads, stats, loss, rest, batch, norms=norms)
     return new._replace(params=FsdpShards(new.params, fs.units)), out

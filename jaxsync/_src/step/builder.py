@@ -19,6 +19,7 @@ from ..core.axes import AxisName, mesh_axes_size, normalize_axes
 from ..core.introspect import multi_steps_of
 from ..core.validate import check_bool, check_positive
 from ..layout.placement import normalize_stacked
+from ..optim.logged import TrainerMetrics, check_metrics, check_zero_padding
 from ..optim.loss_scale import LossScale, check_loss_scale
 from .checks import labeled_tx
 from .modes import Mode, deterministic_of, mode_of
@@ -44,6 +45,7 @@ def train_step(
     aux_reduce: Mapping[str, str] | None = None,
     state_reduce: Mapping[str, str] | None = None,
     loss_axes: AxisName = (),
+    metrics: TrainerMetrics | bool | None = None,
     **mode_options: Any,
 ) -> TrainStep:
     """Builds a jitted data-parallel training step: DDP, ZeRO or FSDP.
@@ -109,6 +111,11 @@ def train_step(
         data axis, in a param's sharding, named by ``rules``, or here: an idle axis
         (a trainer's ``("replica", "data")`` mesh with the default ``axis_name``) would
         run each device's rows once per device along it, and is refused at ``init``.
+      metrics: a :class:`jaxsync.TrainerMetrics` (or ``True`` for its defaults): the
+        step also records ``state.metrics.update_norm``, ``param_norm`` and
+        ``learning_rate``, computed where the update is made (on the shards under
+        ZeRO and FSDP: one more all-reduce of two floats). Off by default: the step
+        and its state are then those of a step without it.
       **mode_options: the keywords this function took before modes were values
         (``bucket_size``, ``reduce_dtype``, ``rules``, ``deterministic``, ``units``,
         ``policy``, ``reshard_after_forward``), still accepted beside a string
@@ -168,6 +175,9 @@ def train_step(
         )  # fmt: skip
         raise ValueError(f"`deterministic` does not support {what}; {fix}.")
     _check_multi_steps(tx, clip_grad_norm)
+    logged = check_metrics(metrics)
+    if logged is not None and mode.name != "ddp":  # flat shards' padding must stay zero
+        check_zero_padding(tx, "jaxsync.train_step")
     if labels is not None and mode.name == "ddp":  # a replicated optimizer: optax's own way
         tx = labeled_tx(tx, labels, normalize_stacked(stacked))
     return TrainStep(
@@ -186,6 +196,7 @@ def train_step(
         aux_reduce=aux_rules,
         state_reduce=state_rules,
         loss_axes=loss_axes,
+        metrics=logged,
     )
 
 

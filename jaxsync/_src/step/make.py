@@ -24,6 +24,7 @@ from ..core.specs import full_spec
 from ..fsdp.fully_shard import fully_shard
 from ..fsdp.held import FsdpShards
 from ..optim.layerwise import as_written
+from ..optim.logged import records_rate
 from ..optim.loss_scale import init_loss_scale
 from ..optim.master import needs_master, with_fp32_master
 from ..optim.optimizer import distributed_optimizer
@@ -59,8 +60,13 @@ def make_state(
             reduce_dtype=mode.reduce_dtype, clip_grad_norm=step.clip_grad_norm,
             loss_scale=step.loss_scale, rules=mode.rules, stacked=step.stacked or None,
             deterministic=mode.deterministic, labels=step.labels,
+            norms=step.metrics is not None,
         )  # fmt: skip
         opt_state = tx.sharded_init(params, mesh)
+        if records_rate(step.metrics, opt_state):  # the rate lives beside ZeRO's norms
+            tx._config.rate = True
+            zero = jax.device_put(jnp.zeros((), jnp.float32), rep)
+            opt_state = opt_state._replace(metrics=opt_state.metrics._replace(learning_rate=zero))
         opt_specs = tx.state_specs(params, mesh)
         groups = held_groups(tx, template, mesh, mode, step.stacked)
         held, n_flags = strip(params, groups), n_leaves
@@ -91,8 +97,9 @@ def make_state(
         n_flags = len(fs.units)
     guard = None
     if not isinstance(mode, ZeRO):
+        on, rate = step.metrics is not None, records_rate(step.metrics, opt_state)
         guard = jax.device_put(
-            GuardState(init_loss_scale(step.loss_scale), initial_metrics(n_flags)), rep
+            GuardState(init_loss_scale(step.loss_scale), initial_metrics(n_flags, on, rate)), rep
         )
     state = TrainState(
         step=jax.device_put(jnp.zeros((), jnp.int32), rep),

@@ -88,6 +88,7 @@ class TrainStep:
     aux_reduce: dict[str, str] = dataclasses.field(default_factory=dict)
     state_reduce: dict[str, str] = dataclasses.field(default_factory=dict)
     loss_axes: tuple[str, ...] = ()  # mesh axes the loss uses itself (core.axes.check_idle_axes)
+    metrics: Any = None  # a TrainerMetrics: update/param norms and rate (optim.logged)
     _plans: dict[Any, Plan] = dataclasses.field(default_factory=dict, repr=False)
     _stepped: list[bool] = dataclasses.field(default_factory=list, repr=False)
     _keyed: dict[Any, Callable[..., Any]] = dataclasses.field(default_factory=dict, repr=False)

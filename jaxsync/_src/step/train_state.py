@@ -18,7 +18,9 @@ import jax.numpy as jnp
 
 from ..core.axes import to_varying
 from ..core.tree_reduce import sq_sum_and_zeros
+from ..optim.logged import TreeNorms, with_norms
 from ..optim.loss_scale import LossScale, LossScaleState, update_loss_scale
+from ..optim.master import MasterState, master_update
 from ..optim.metrics import next_metrics
 from ..optim.state import StepMetrics
 from .checks import check_state_dtypes
@@ -126,6 +128,7 @@ def guarded_update(
     loss_scale: LossScale,
     unit_flags: jax.Array | None = None,
     branch: bool = False,
+    norms: TreeNorms | None = None,
 ) -> tuple[PyTree, PyTree, LossScaleState, StepMetrics, jax.Array]:
     """One optax step on reduced, unscaled ``grads``, skipped if they are not finite.
 
@@ -140,6 +143,8 @@ def guarded_update(
     GPT's: 13.9 against 16.4 MB of temporaries). XLA:GPU must copy the predicate to
     the host and, on the 1.1B Llama-style model, gave the DDP step 9.3 GiB more
     temporaries: selects there.
+    ``norms`` (a step built with ``metrics=``): how the update and the params add up
+    to the norms in the metrics (:mod:`jaxsync._src.optim.logged`); None: not made.
 
     Returns:
       ``(params, opt_state, loss_scale, metrics, finite)``.
@@ -150,19 +155,33 @@ def guarded_update(
     # state whole, so a NaN never leaves it (one select less per leaf).
     old = (state.params, state.opt_state)
 
-    def update(grads: PyTree, old: tuple[PyTree, PyTree]) -> tuple[PyTree, PyTree]:
-        updates, opt_state = tx.update(grads, old[1], old[0])
+    def update(grads: PyTree, old: tuple[PyTree, PyTree]) -> tuple[Any, ...]:
+        if norms is not None and isinstance(old[1], MasterState):  # measure the inner's
+            updates, opt_state, measured = master_update(norms.inner, grads, old[1], old[0])
+        else:
+            updates, opt_state = tx.update(grads, old[1], old[0])
+            measured = updates
         params = jax.tree.map(lambda p, u: jnp.asarray(p + u).astype(p.dtype), old[0], updates)
         check_state_dtypes(opt_state, old[1])
-        return params, opt_state  # optax.apply_updates' arithmetic
+        # optax.apply_updates' arithmetic; with norms, the update's local sums too
+        return (params, opt_state) if norms is None else (params, opt_state, norms.local(measured))
 
-    if branch:
+    # With norms, selects: a branch would need the update's sums typed alike on both
+    # sides (device-varying on shards), and those are what the update makes.
+    if branch and norms is None:
         params, opt_state = jax.lax.cond(finite, update, lambda g, o: o, grads, old)
+        sums = []
     else:
-        new = update(grads, old)
-        params, opt_state = jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
+        params, opt_state, *sums = update(grads, old)
+        params, opt_state = jax.tree.map(
+            lambda a, b: jnp.where(finite, a, b), (params, opt_state), old
+        )
+        sums = [tuple(jnp.where(finite, x, 0.0) for x in s) for s in sums]
     scale = update_loss_scale(loss_scale, state.loss_scale, finite)
     metrics = next_metrics(state.metrics, flags_from, finite, grad_norm, zeros, unit_flags)
+    if norms is not None:
+        kept = opt_state.master if isinstance(opt_state, MasterState) else params
+        metrics = with_norms(metrics, norms.total(sums[0], kept))
     return params, opt_state, scale, metrics, finite
 
 

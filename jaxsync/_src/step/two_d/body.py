@@ -25,6 +25,7 @@ from ...core.axes import to_varying, varying_axes
 from ...core.cpu_order import on_cpu
 from ...core.names import group_of
 from ...fsdp.grad import split_microbatches
+from ...optim.logged import TreeNorms
 from ...sync.reduction import BUCKETED
 from ...sync.tap_rules import check_taps
 from ..parts import finish, loss_of, one_piece, scale_of, unscale
@@ -158,10 +159,13 @@ def spec_body(cfg: Any, plan: Any, state: TrainState, batch: Any) -> tuple[Train
     grads = [x.astype(d) for x, d in zip(grads, dtypes, strict=True)]
     grads = unscale(jax.tree.unflatten(treedef, grads), scale_of(cfg, state))
     stats = _stats(jax.tree.leaves(grads), plans, data, scatter)
+    # The trainer's norms: cut leaves summed over the data axes, whole ones counted once.
+    cut = tuple(scatter and p.dim is not None for p in plans)
+    norms = TreeNorms(axes=data, cut=cut, inner=cfg.tx if mode == "ddp" else None)
     if mode != "zero":
-        return finish(cfg, plan, state, grads, grads, stats, out, rest, batch)
+        return finish(cfg, plan, state, grads, grads, stats, out, rest, batch, norms=norms)
     inner_state = state._replace(params=state.opt_state.master, opt_state=state.opt_state.inner)
-    new, mean = finish(cfg, plan, inner_state, grads, grads, stats, out, rest, batch)
+    new, mean = finish(cfg, plan, inner_state, grads, grads, stats, out, rest, batch, norms=norms)
     # Cast, then gather: a bf16 model's params travel in bf16, not as fp32 masters.
     params = layout.map(
         lambda p, m, old: gather(m.astype(old.dtype), p, data), new.params, state.params

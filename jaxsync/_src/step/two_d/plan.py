@@ -34,6 +34,7 @@ from ...core.axes import mesh_axes_size
 from ...core.names import group_of, param_name
 from ...core.specs import entry_axes, full_spec, keep_axes
 from ...layout.ownership import WholeMatrices
+from ...optim.logged import records_rate
 from ...optim.loss_scale import init_loss_scale
 from ...optim.master import MasterState
 from ...optim.state import initial_metrics
@@ -192,9 +193,9 @@ def make_state(
         opt_state = SpecZeroState(trained, inner)
         opt_specs = SpecZeroState(shard_specs, inner_specs)
     rep = NamedSharding(mesh, P())
-    guard = jax.device_put(
-        GuardState(init_loss_scale(cfg.loss_scale), initial_metrics(len(layout.leaves()))), rep
-    )
+    on, rate = cfg.metrics is not None, records_rate(cfg.metrics, inner)
+    metrics = initial_metrics(len(layout.leaves()), on, rate)
+    guard = jax.device_put(GuardState(init_loss_scale(cfg.loss_scale), metrics), rep)
     state = TrainState(jax.device_put(jnp.zeros((), jnp.int32), rep), held, opt_state, rest, guard)
     specs = TrainState(
         P(), held_specs, opt_specs, jax.tree.map(lambda _: P(), rest),

@@ -290,7 +290,7 @@ def _portable_fn(ts: Any, layout: SpecLayout, fn: str) -> Callable[..., tuple]:
                 "master": master,
                 "inner_state": inner,
                 "loss_scale": tuple(guard.loss_scale),
-                "metrics": tuple(guard.metrics),
+                "metrics": tuple(x for x in guard.metrics if x is not None),
             }
             return params, portable, {}
 
