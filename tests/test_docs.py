@@ -218,6 +218,19 @@ def check_train_step(ns: dict, ctx: SimpleNamespace) -> None:
     assert all(x.sharding.is_fully_replicated for x in jax.tree.leaves(ns["params"]))
 
 
+def check_trainer_metrics(ns: dict, ctx: SimpleNamespace) -> None:
+    # the page's settings (adamw with the schedule, clip 1.0), one step on one device
+    params = jax.device_get(ctx.params)
+    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(ns["schedule"]))
+    grads = jax.grad(mlp_loss)(params, ns["batch"])
+    updates, _ = tx.update(grads, tx.init(params), params)
+    m = jax.device_get(ns["state"].metrics)
+    np.testing.assert_allclose(m.update_norm, optax.tree.norm(updates), rtol=1e-5)
+    new = optax.apply_updates(params, updates)
+    np.testing.assert_allclose(m.param_norm, optax.tree.norm(new), rtol=1e-5)
+    np.testing.assert_allclose(m.learning_rate, ns["schedule"](0), rtol=1e-6)
+
+
 def setup_state_checkpoint(ns: dict, ctx: SimpleNamespace) -> None:
     # the training step page's run (its train_step block), 8 devices
     setup_ddp(ns, ctx)
@@ -609,6 +622,7 @@ class Spec:
 SPECS = {
     "quickstart": Spec(setup_quickstart, check_quickstart),
     "train_step": Spec(setup_ddp, check_train_step),
+    "trainer_metrics": Spec(setup_ddp, check_trainer_metrics),
     "nnx_scanned": Spec(setup_nnx_scanned, check_nnx_scanned),
     "two_d": Spec(check=check_two_d),
     "ddp": Spec(setup_ddp, check_ddp),
