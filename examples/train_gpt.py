@@ -20,11 +20,11 @@ Resume from the newest complete checkpoint of a run with --resume (the config
 must be the one the run was saved with, unless --allow-config-change). A fresh
 run refuses a run dir that already holds a run, unless --overwrite (which
 deletes its checkpoints and metrics). Metrics are appended to
-<run dir>/metrics.jsonl (train loss every log_every steps, val_loss every
-eval.every steps), the config and data in run.json, and the loss curves are
-plotted to loss.png at the end (plot_metrics.py re-makes it); only process 0
-prints and writes them. The run stops with an error
-after train.max_consecutive_skips steps in a row were skipped for non-finite
+<run dir>/metrics.jsonl (train loss, learning rate, grad/update/param norms every
+log_every steps, val_loss every eval.every steps), the config and data in run.json,
+and the loss curves are plotted to loss.png at the end (plot_metrics.py re-makes it);
+only process 0 prints and writes them. The run stops with an error after
+train.max_consecutive_skips steps in a row were skipped for non-finite
 gradients (it would otherwise go on without training).
 """
 
@@ -347,6 +347,8 @@ def build_step(cfg: dict, mesh) -> tuple:
         clip_grad_norm=t["clip_grad_norm"],
         bucket_size=t["bucket_size"],
         stacked=stacked,
+        # update and param norms and the rate each update used, in state.metrics
+        metrics=jaxsync.TrainerMetrics(learning_rate=schedule),
     )
     return step, schedule
 
@@ -612,11 +614,15 @@ def train(
                     "step": done,
                     "loss": loss_v,
                     "tokens_per_s": tps,
-                    "lr": float(schedule(step)),
+                    # the rate the last applied update used (after a skipped step
+                    # optax's count, and so the schedule, lag the loop's step)
+                    "lr": float(state.metrics.learning_rate),
                 }
                 if evaluate:
                     record["val_loss"] = float(eval_step(train_step.params(state), val_batches))
                 record["grad_norm"] = float(state.metrics.grad_norm)  # the same in both modes
+                record["update_norm"] = float(state.metrics.update_norm)
+                record["param_norm"] = float(state.metrics.param_norm)
                 record["skipped_steps"] = int(state.metrics.skipped_steps)
                 # What the integrity checks found since the last record (the record
                 # stays one line per logged step, as readers of metrics.jsonl expect).

@@ -220,3 +220,8 @@ def test_the_trainer_checks_its_replicas_and_reruns_a_suspicious_step(tmp_path):
     assert all("reruns" in r for r in records)
     assert [len(by_step[s].get("stragglers", [])) for s in (1, 4, 8)] == [0, 1, 1]
     assert all("no straggler" in c for s in (4, 8) for c in by_step[s]["stragglers"])
+    # The step's own norms and rate (jaxsync.TrainerMetrics): step 1 ran at the
+    # warmup's rate 0, so it moved nothing; the later ones did.
+    assert by_step[1]["lr"] == 0.0 and by_step[1]["update_norm"] == 0.0
+    assert all(by_step[s]["lr"] > 0 and by_step[s]["update_norm"] > 0 for s in (4, 8))
+    assert all(r["param_norm"] > 0 and r["grad_norm"] > 0 for r in records)
