@@ -229,9 +229,9 @@ def check_zero_padding(tx: Any, fn: str) -> None:
     for label, t in txs:
         if not (hasattr(t, "init") and hasattr(t, "update")):
             continue
-        try:
-            zeros = jnp.zeros((4,), jnp.float32)
-            with jax.default_device(jax.devices("cpu")[0]):
+        try:  # on a device of this process (with several, jax.devices() lists others')
+            with jax.default_device(jax.local_devices(backend="cpu")[0]):
+                zeros = jnp.zeros((4,), jnp.float32)
                 u, s = t.update(zeros, t.init(zeros), zeros)
                 u, _ = t.update(zeros, s, zeros)
             value = float(np.max(np.abs(np.asarray(u))))
