@@ -269,9 +269,11 @@ def test_metrics_argument_is_checked(mesh8):
 
 
 @pytest.mark.parametrize("mode", ["ddp", "zero", "fsdp"])
-def test_a_checkpoint_keeps_the_metrics_and_its_setting(tmp_path, mode):
+def test_a_checkpoint_keeps_the_metrics_across_dp_sizes_and_settings(tmp_path, mode):
     """Saved with the metrics on at DP 8, restored on at DP 4: the same values, and the
-    next step goes on from them; a step without them refuses it by name."""
+    next step goes on from them. Across the setting (a run turns them on or off on
+    resume) it restores too: the metrics the step does not record are dropped, the
+    ones it records start at 0, the rest of the state is the saved one."""
     require_devices(8)
     params, batches = mlp_params(jax.random.key(0)), mlp_batches(3)
 
@@ -279,16 +281,18 @@ def test_a_checkpoint_keeps_the_metrics_and_its_setting(tmp_path, mode):
         mesh = jax.make_mesh((n,), ("data",), devices=jax.devices()[:n])
         return jaxsync.train_step(mlp_loss, optax.adamw(SCHEDULE), mesh, mode, metrics=metrics)
 
+    def restore(path, step):
+        with jaxsync.Checkpointer(path) as ckpt:
+            return ckpt.restore_state(step, step.init(params)).state
+
     on = jaxsync.TrainerMetrics(learning_rate=SCHEDULE)
     step8 = make(8, on)
     state, _ = run(step8, params, batches[:2])
-    with jaxsync.Checkpointer(tmp_path) as ckpt:
+    with jaxsync.Checkpointer(tmp_path / "on") as ckpt:
         ckpt.save_state(step8, state)
     step4 = make(4, on)
-    with jaxsync.Checkpointer(tmp_path) as ckpt:
-        new = ckpt.restore_state(step4, step4.init(params)).state
-    want = jax.device_get(state.metrics)
-    got = jax.device_get(new.metrics)
+    new = restore(tmp_path / "on", step4)
+    want, got = jax.device_get(state.metrics), jax.device_get(new.metrics)
     for name in ("update_norm", "param_norm", "learning_rate", "grad_norm"):
         assert float(getattr(got, name)) == float(getattr(want, name)), name
     new, _ = step4(new, batches[2])
@@ -296,7 +300,20 @@ def test_a_checkpoint_keeps_the_metrics_and_its_setting(tmp_path, mode):
     m = jax.device_get(new.metrics)
     assert_matches([(float(m.update_norm), float(m.param_norm), float(m.learning_rate))],
                    ref[-1:])  # fmt: skip
+    # on -> off: the norms and the rate dropped, the rest restored
     off = make(4, None)
-    fails = pytest.raises(jaxsync.CheckpointMismatchError, match="update_norm|\\.7")
-    with jaxsync.Checkpointer(tmp_path) as ckpt, fails:
-        ckpt.restore_state(off, off.init(params))
+    new = restore(tmp_path / "on", off)
+    assert (new.metrics.update_norm, new.metrics.learning_rate) == (None, None)
+    assert float(new.metrics.grad_norm) == float(want.grad_norm) and int(new.step) == 2
+    # off -> on: they start at 0 and the next step records them
+    off8 = make(8, None)
+    state, _ = off8(off8.init(params), batches[0])
+    with jaxsync.Checkpointer(tmp_path / "off") as ckpt:
+        ckpt.save_state(off8, state)
+    new = restore(tmp_path / "off", step4)
+    assert float(new.metrics.update_norm) == float(new.metrics.learning_rate) == 0.0
+    new, _ = step4(new, batches[1])
+    m = jax.device_get(new.metrics)
+    assert_matches([(float(m.update_norm), float(m.param_norm), float(m.learning_rate))],
+                   reference(optax.adamw(SCHEDULE), params, batches[:2], mlp_loss,
+                             schedule=SCHEDULE)[-1:])  # fmt: skip

@@ -137,6 +137,12 @@ def _names(tree: PyTree) -> dict[str, tuple[tuple[int, ...], str]]:
     return out
 
 
+def saved_names(tree: PyTree) -> dict[str, tuple[tuple[int, ...], str]]:
+    """``{dotted name: (shape, dtype)}`` of a tree's leaves, as :func:`compare_trees`
+    names them."""
+    return _names(tree)
+
+
 def compare_trees(saved: PyTree, expected: PyTree) -> list[str]:
     """Human-readable differences in names and shapes between two trees."""
     a, b = _names(saved), _names(expected)

@@ -30,6 +30,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -37,14 +38,14 @@ from ..core.cpu_order import put
 from ..core.names import param_name
 from ..fsdp import shards as fsdp_shards
 from ..fsdp.held import FsdpShards
-from ..optim.state import saved_metrics
+from ..optim.state import StepMetrics, saved_metrics
 from ..step.held import strip
 from ..step.shard_tag import tag_of
 from ..step.train_state import TrainState
 from ..step.two_d import portable as two_d_portable
 from .checksum import tree_checksums
 from .describe import describe_optimizer, optimizer_differences
-from .records import CheckpointMismatchError, compare_trees
+from .records import CheckpointMismatchError, compare_trees, saved_names
 
 PyTree = Any
 
@@ -257,7 +258,7 @@ def restore_state(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
         extra_like or {},
     )
-    target = {**like, "extra": extra}
+    target, as_step = metrics_as_saved(saved, {**like, "extra": extra})
     tx = _described_tx(ts, state_like, fn)
     changed = optimizer_differences(
         checks.get("optimizer", {}), describe_optimizer(tx, like["params"], like["opt_state"])
@@ -267,7 +268,65 @@ def restore_state(
         raise CheckpointMismatchError(
             PARTS_MISSING.format(step=step, dir=ckpt.directory, problems="\n".join(problems))
         )
-    tree = ckpt._read(step, target, checks, saved)
+    tree = as_step(ckpt._read(step, target, checks, saved))
     meta = ckpt._read_json(step, "meta", "meta (JSON)")
     state = from_portable(ts, tree, state_like, fn)
     return RestoredState(step, state, tree["extra"], dict(meta or {}))
+
+
+#: The metrics a step records only with ``metrics=`` (optim.logged), after the seven.
+OPTIONAL_METRICS = StepMetrics._fields[7:]
+
+
+def metrics_as_saved(saved: PyTree, target: dict[str, Any]) -> tuple[dict[str, Any], Any]:
+    """``target`` with its metrics as the checkpoint holds them, and the function that
+    puts what was read back into this step's form.
+
+    The trainer's metrics (``train_step(metrics=...)``) are the last step's diagnostics,
+    so a checkpoint saved with another setting restores: the ones this step does not
+    record are dropped, the ones it records start at 0 (their value before a first
+    step). DDP and FSDP keep them by name in ``guard.metrics``; ZeRO by position in
+    ``opt_state.metrics`` (7 fields, then 2 norms, then the rate).
+    """
+    names = set(saved_names(saved))
+    guard, opt = target["guard"], target["opt_state"]
+    if hasattr(guard, "metrics"):
+        mine = guard.metrics
+        want = [f for f in OPTIONAL_METRICS if f in mine._fields]
+        have = [f for f in OPTIONAL_METRICS if f"guard.metrics.{f}" in names]
+        if want == have:
+            return target, lambda tree: tree
+
+        def form(m: Any, fields: list[str], value: Any) -> Any:
+            rest = [value(m, f) if f in fields else None for f in OPTIONAL_METRICS]
+            return saved_metrics(StepMetrics(*m[:7], *rest))
+
+        def scalar(m: Any, f: str) -> Any:
+            return jax.ShapeDtypeStruct((), jnp.float32, sharding=m.grad_norm.sharding)
+
+        def back(tree: dict[str, Any]) -> dict[str, Any]:
+            read = tree["guard"].metrics
+            value = lambda m, f: getattr(m, f) if f in have else _zero(m.grad_norm)  # noqa: E731
+            return {**tree, "guard": tree["guard"]._replace(metrics=form(read, want, value))}
+
+        return {**target, "guard": guard._replace(metrics=form(mine, have, scalar))}, back
+    if not (isinstance(opt, dict) and isinstance(opt.get("metrics"), tuple)):
+        return target, lambda tree: tree
+    mine = opt["metrics"]
+    count = sum(1 for n in names if n.startswith("opt_state.metrics."))
+    if count == len(mine) or count not in (7, 9, 10):
+        return target, lambda tree: tree  # the same, or a difference compare_trees names
+    like = jax.ShapeDtypeStruct((), jnp.float32, sharding=mine[0].sharding)
+    saved_form = (*mine[:7], *(like,) * (count - 7))
+
+    def back_zero(tree: dict[str, Any]) -> dict[str, Any]:
+        read = tree["opt_state"]["metrics"]
+        rest = [read[i] if i < count else _zero(read[0]) for i in range(7, len(mine))]
+        return {**tree, "opt_state": {**tree["opt_state"], "metrics": (*read[:7], *rest)}}
+
+    return {**target, "opt_state": {**opt, "metrics": saved_form}}, back_zero
+
+
+def _zero(ref: jax.Array) -> jax.Array:
+    """A metric's value before a first step, placed as ``ref`` (a global array)."""
+    return jax.device_put(np.zeros((), np.float32), ref.sharding)

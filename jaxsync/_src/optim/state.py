@@ -45,7 +45,8 @@ class StepMetrics(NamedTuple):
     diagnostic of the step in one place, ``state.metrics``, in every mode, and each
     mode already builds this tuple where the update is made. ``None`` is an empty
     pytree, so with the metrics off the state has the same leaves as before and the
-    step the same program; older checkpoints (seven fields) restore unchanged.
+    step the same program; older checkpoints (seven fields) restore unchanged, and a
+    checkpoint restores across the setting (the fields dropped, or started at 0).
     """
 
     grad_norm: jax.Array
