@@ -275,7 +275,7 @@ def restore_state(
 
 
 #: The metrics a step records only with ``metrics=`` (optim.logged), after the seven.
-OPTIONAL_METRICS = StepMetrics._fields[7:]
+OPTIONAL_METRICS = ("update_norm", "param_norm", "learning_rate")
 
 
 def metrics_as_saved(saved: PyTree, target: dict[str, Any]) -> tuple[dict[str, Any], Any]:
