@@ -32,8 +32,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..core.bits import as_bits
 from ..step.modes import deterministic_of
-from .replicas import as_bits
 from .rotation import DeviceRef, Rotation, device_ref, rotated_units
 
 NUMERICAL = "numerical event"

@@ -31,12 +31,12 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from ..core.axes import to_varying
+from ..core.bits import fingerprint
 from ..deterministic.exact import nonfinite_flags
 from ..step.modes import deterministic_of
 from ..step.parts import loss_of
 from ..step.pieces.rng import Keyed, check_key
 from ..sync.grad_sync import value_and_grad
-from .replicas import fingerprint
 
 
 class DeviceRef(NamedTuple):
