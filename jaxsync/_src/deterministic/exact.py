@@ -9,12 +9,13 @@ shard boundaries move with the number of ranks.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from ..core.axes import axes_size, bound_axes
+from ..core.bits import fingerprint
 from ..layout.placement import build_layout, check_bucket_size
 from .fixed_point import exact_total, unit_sum
 from .units import Deterministic, UnitGrads, check_unit_grads, units_per_device
@@ -78,6 +79,31 @@ def nonfinite_flags(grads: UnitGrads) -> jax.Array:
     )
 
 
+def unit_prints(grads: UnitGrads) -> jax.Array:
+    """``uint32[units per device, params]``: each unit's gradient of each param reduced
+    to a fingerprint of its bits (any flipped bit changes it)."""
+    return jnp.stack([jax.vmap(fingerprint)(g) for g in jax.tree.leaves(grads.grads)], axis=1)
+
+
+class UnitRecord(NamedTuple):
+    """What a deterministic step records of this device's units before the sync,
+    for the metrics (:func:`jaxsync._src.optim.metrics.next_metrics`) to gather.
+
+    Attributes:
+      flags: ``bool[units per device, params]``, NaN/Inf (:func:`nonfinite_flags`).
+      prints: ``uint32[units per device, params]`` (:func:`unit_prints`), or None
+        (not asked for: ``TrainerMetrics(unit_prints=True)``).
+    """
+
+    flags: jax.Array
+    prints: jax.Array | None = None
+
+
+def unit_record(grads: UnitGrads, prints: bool) -> UnitRecord:
+    """The flags, and with ``prints`` the fingerprints, of this device's units."""
+    return UnitRecord(nonfinite_flags(grads), unit_prints(grads) if prints else None)
+
+
 def all_reduce_unit_grads(
     grads: Any,
     axis_name: Any,
@@ -106,9 +132,10 @@ def exact_shards(
 ) -> tuple[tuple[jax.Array, ...], jax.Array, jax.Array, jax.Array, jax.Array]:
     """The distributed optimizer's reduction in deterministic mode.
 
-    Returns ``(shards, grad_norm, num_zeros, finite, unit_flags)``: this rank's
-    shards of the mean gradient (unscaled), and the statistics the step needs,
-    every one of them from exact sums, so no bit depends on the number of ranks.
+    Returns ``(shards, grad_norm, num_zeros, finite, units)``: this rank's shards
+    of the mean gradient (unscaled), the statistics the step needs, every one of
+    them from exact sums, so no bit depends on the number of ranks, and the
+    :class:`UnitRecord` of its units (fingerprints where ``cfg.unit_prints``).
     """
     fn = "distributed_optimizer.update"
     grads = check_unit_grads(grads, cfg.deterministic, None, fn)
@@ -132,4 +159,5 @@ def exact_shards(
     padding = sum(buf.size - buf.used for buf in layout.buffers)
     num_zeros = jax.lax.psum(zeros, cfg.axes) - padding
     finite = jnp.isfinite(grad_norm)
-    return shards, grad_norm, num_zeros, finite, nonfinite_flags(grads)
+    units = unit_record(grads, getattr(cfg, "unit_prints", False))
+    return shards, grad_norm, num_zeros, finite, units

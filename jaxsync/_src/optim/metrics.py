@@ -28,17 +28,20 @@ def next_metrics(
     finite: jax.Array,
     grad_norm: jax.Array,
     num_zeros: jax.Array,
-    unit_flags: jax.Array | None = None,
+    units: Any = None,
 ) -> Any:
     """The step's :class:`~jaxsync.StepMetrics`, with no host sync.
 
     On the first step of a run of skipped steps it records which params had
     non-finite *local* gradients and on which devices: a ``psum`` and a ``pmin`` of
     one int per param over the mesh (run every step, kept only then).
-    With ``unit_flags`` (``[units per device, params]``, deterministic mode) it
-    counts and names *units* instead of devices, so the metrics do not depend
-    on the data-parallel size either.
+    With ``units`` (a :class:`~jaxsync._src.deterministic.exact.UnitRecord`,
+    deterministic mode) it counts and names *units* instead of devices, so the
+    metrics do not depend on the data-parallel size either; where the record holds
+    fingerprints, it gathers them, every step, into ``unit_prints`` (``[units,
+    params]``, the same on every device: one all-gather of 4 bytes per unit and param).
     """
+    unit_flags = None if units is None else units.flags
     skipped = jnp.logical_not(finite)
     record = skipped & (prev.consecutive_skips == 0)
     # One small reduction per leaf, computed where the grads are made; the
@@ -75,6 +78,13 @@ def next_metrics(
     # deadlock (seen with whole-matrix owners, whose switch makes ranks finish apart).
     # Two all-reduces of one int per param: no measurable cost.
     count, first = locate(flags)
+    prints = prev.unit_prints
+    if units is not None and units.prints is not None:
+        mesh = jax.sharding.get_abstract_mesh()
+        axes = tuple(a for a in mesh.axis_names if a in mesh.manual_axes)
+        # Device-major: global unit d * k + j, as `first_nonfinite_device` numbers them.
+        mine = to_varying(units.prints, axes)
+        prints = jax.lax.all_gather(mine, axes, axis=0, tiled=True, to="invarying")
     count = jnp.where(record, count, prev.nonfinite_devices)
     first = jnp.where(record, first, prev.first_nonfinite_device)
     return StepMetrics(
@@ -89,6 +99,7 @@ def next_metrics(
         update_norm=prev.update_norm,
         param_norm=prev.param_norm,
         learning_rate=prev.learning_rate,
+        unit_prints=prints,
     )
 
 

@@ -399,7 +399,7 @@ def apply_shards(
     grad_norm: jax.Array,
     num_zeros: jax.Array,
     finite: jax.Array,
-    unit_flags: jax.Array | None = None,
+    units: Any = None,
     held: frozenset[int] = frozenset(),
 ) -> tuple[PyTree, DistributedOptimizerState]:
     """The step after the reduction: clip, inner update on the shard, master, gather.
@@ -437,7 +437,7 @@ def apply_shards(
         # Gather the new params in their own dtype (bf16: half the bytes).
         out.append(new_master[-1].astype(buf.key.dtype))
     gathered = gather_params(tuple(out), layout, cfg.axes, params, skip=held)
-    metrics = next_metrics(state.metrics, grads, finite, grad_norm, num_zeros, unit_flags)
+    metrics = next_metrics(state.metrics, grads, finite, grad_norm, num_zeros, units)
     if cfg.norms:  # where the update is made: on the shards, one psum of two floats
         metrics = with_norms(metrics, shard_sums(cfg, layout, updates, new_master, finite))
     new_state = DistributedOptimizerState(

@@ -74,6 +74,7 @@ class Plan:
         self.deterministic = deterministic
         self.norms = norms  # update and param norms in the metrics (optim.logged)
         self.rate = False  # a learning rate in the metrics: set by jaxsync.train_step
+        self.unit_prints = False  # units' gradient fingerprints: set by jaxsync.train_step
         self.rules = rules
         self.stacked = stacked
         self.inner = inner
@@ -239,7 +240,12 @@ class Plan:
             master=tuple(master),
             inner_state=tuple(inner_state),
             loss_scale=init_loss_scale(self.loss_scale),
-            metrics=initial_metrics(len(layout.slots), self.norms, self.rate),
+            metrics=initial_metrics(
+                len(layout.slots),
+                self.norms,
+                self.rate,
+                self.deterministic.units if self.unit_prints else 0,
+            ),
         )
 
     def check(self, params: PyTree, layout: Layout) -> None:

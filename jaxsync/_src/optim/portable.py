@@ -330,7 +330,7 @@ def from_portable(
             master=tuple(master),
             inner_state=tuple(inner),
             loss_scale=LossScaleState(*portable["loss_scale"]),
-            metrics=metrics_from(portable["metrics"], plan.norms, plan.rate),
+            metrics=metrics_from(portable["metrics"], plan.norms, plan.rate, plan.unit_prints),
         )
 
     shardings = jax.tree.map(

@@ -40,8 +40,16 @@ class StepMetrics(NamedTuple):
       learning_rate: the rate of the last applied update (a skipped step keeps the
         previous one; 0 before the first); ``None`` unless ``metrics=`` names or
         finds a learning rate.
+      unit_prints: deterministic mode only, ``uint32[units, params]``: each unit's
+        gradient of each param leaf (before the sync, summed over its rows) reduced
+        to a 32-bit fingerprint of its bits, every step; row ``u`` is global unit
+        ``u``, computed on the device ``u // (units per device)`` of
+        ``mesh.devices.flat``. The same bits at any data-parallel size, so a rerun
+        whose prints differ names the device that computed the unit
+        (:class:`jaxsync.Rerun`). ``None`` unless
+        ``metrics=jaxsync.TrainerMetrics(unit_prints=True)``.
 
-    Why three optional fields here and not a separate record: a trainer reads every
+    Why optional fields here and not a separate record: a trainer reads every
     diagnostic of the step in one place, ``state.metrics``, in every mode, and each
     mode already builds this tuple where the update is made. ``None`` is an empty
     pytree, so with the metrics off the state has the same leaves as before and the
@@ -59,11 +67,15 @@ class StepMetrics(NamedTuple):
     update_norm: jax.Array | None = None
     param_norm: jax.Array | None = None
     learning_rate: jax.Array | None = None
+    unit_prints: jax.Array | None = None
 
 
-def initial_metrics(num_params: int, norms: bool = False, rate: bool = False) -> StepMetrics:
+def initial_metrics(
+    num_params: int, norms: bool = False, rate: bool = False, units: int = 0
+) -> StepMetrics:
     """Metrics before the first step, for ``num_params`` param leaves; with ``norms``
-    the update and param norms, with ``rate`` the learning rate (all zero)."""
+    the update and param norms, with ``rate`` the learning rate, with ``units`` the
+    units' gradient fingerprints (all zero)."""
     zero_i = jnp.zeros((), jnp.int32)
     zero_f = lambda: jnp.zeros((), jnp.float32)  # noqa: E731  (a buffer each)
     return StepMetrics(
@@ -77,6 +89,7 @@ def initial_metrics(num_params: int, norms: bool = False, rate: bool = False) ->
         update_norm=zero_f() if norms else None,
         param_norm=zero_f() if norms else None,
         learning_rate=zero_f() if rate else None,
+        unit_prints=jnp.zeros((units, num_params), jnp.uint32) if units else None,
     )
 
 
@@ -93,12 +106,13 @@ def saved_metrics(metrics: StepMetrics) -> Any:
     return _saved_type(tuple(k for k, _ in present))(*(v for _, v in present))
 
 
-def metrics_from(saved: Any, norms: bool, rate: bool) -> StepMetrics:
+def metrics_from(saved: Any, norms: bool, rate: bool, prints: bool = False) -> StepMetrics:
     """:class:`StepMetrics` from its checkpoint form (the fields that are not None, in
-    order): the first seven, then the norms and the rate where the step records them."""
+    order): the first seven, then the norms, the rate and the unit fingerprints where
+    the step records them."""
     base, extra = tuple(saved[:7]), iter(saved[7:])
     pick = lambda on: next(extra) if on else None  # noqa: E731
-    return StepMetrics(*base, pick(norms), pick(norms), pick(rate))
+    return StepMetrics(*base, pick(norms), pick(norms), pick(rate), pick(prints))
 
 
 class DistributedOptimizerState(NamedTuple):

@@ -15,7 +15,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ..deterministic.exact import nonfinite_flags
+from ..deterministic.exact import unit_record
 from ..fsdp.grad import split_microbatches
 from ..fsdp.grad import value_and_grad as fsdp_value_and_grad
 from ..fsdp.held import FsdpShards, plain
@@ -133,7 +133,9 @@ def ddp_body(cfg: Any, plan: Plan, state: TrainState, batch: Any) -> tuple[Train
     grads = unscale(grads, scale)
     stats = (sq if scale is None else sq / jnp.square(scale.astype(jnp.float32)), zeros)
     # Deterministic: per-device flags would depend on the DP size; flag units, as ZeRO.
-    units = nonfinite_flags(local) if mode.deterministic is not None else None
+    # With TrainerMetrics(unit_prints=True), each unit's gradient fingerprints beside them.
+    prints = cfg.metrics is not None and cfg.metrics.unit_prints
+    units = unit_record(local, prints) if mode.deterministic is not None else None
     flags = grads if units is not None else local
     norms = TreeNorms(inner=cfg.tx)  # replicated: every leaf whole, no collective
     return finish(cfg, plan, state, grads, flags, stats, loss, rest, batch, units, norms)

@@ -19,7 +19,7 @@ from ..core.axes import AxisName, mesh_axes_size, normalize_axes
 from ..core.introspect import multi_steps_of
 from ..core.validate import check_bool, check_positive
 from ..layout.placement import normalize_stacked
-from ..optim.logged import TrainerMetrics, check_metrics, check_zero_padding
+from ..optim.logged import TrainerMetrics, check_metrics, check_zero_padding, norms_on
 from ..optim.loss_scale import LossScale, check_loss_scale
 from .checks import labeled_tx
 from .modes import Mode, deterministic_of, mode_of
@@ -114,7 +114,9 @@ def train_step(
       metrics: a :class:`jaxsync.TrainerMetrics` (or ``True`` for its defaults): the
         step also records ``state.metrics.update_norm``, ``param_norm`` and
         ``learning_rate``, computed where the update is made (on the shards under
-        ZeRO and FSDP: one more all-reduce of two floats). Off by default: the step
+        ZeRO and FSDP: one more all-reduce of two floats); with
+        ``TrainerMetrics(unit_prints=True)`` (deterministic mode) also each unit's
+        gradient fingerprints, ``state.metrics.unit_prints``. Off by default: the step
         and its state are then those of a step without it.
       **mode_options: the keywords this function took before modes were values
         (``bucket_size``, ``reduce_dtype``, ``rules``, ``deterministic``, ``units``,
@@ -176,7 +178,9 @@ def train_step(
         raise ValueError(f"`deterministic` does not support {what}; {fix}.")
     _check_multi_steps(tx, clip_grad_norm)
     logged = check_metrics(metrics)
-    if logged is not None and mode.name != "ddp":  # flat shards' padding must stay zero
+    if logged is not None and logged.unit_prints and det is None:
+        raise ValueError(UNIT_PRINTS_NEED_DETERMINISTIC.format(mode=mode.name))
+    if norms_on(logged) and mode.name != "ddp":  # flat shards' padding must stay zero
         check_zero_padding(tx, "jaxsync.train_step")
     if labels is not None and mode.name == "ddp":  # a replicated optimizer: optax's own way
         tx = labeled_tx(tx, labels, normalize_stacked(stacked))
@@ -200,6 +204,14 @@ def train_step(
     )
 
 
+UNIT_PRINTS_NEED_DETERMINISTIC = (
+    "jaxsync.train_step: `TrainerMetrics(unit_prints=True)` records each deterministic "
+    "unit's gradient fingerprints, and this step (mode {mode!r}) is not in deterministic "
+    "mode: its devices' gradients are float sums over their own rows, whose bits change "
+    "with the data-parallel size, so no unit has a fingerprint to compare. Pass "
+    "`deterministic=jaxsync.Deterministic(units=...)` in a DDP or ZeRO mode "
+    "(`jaxsync.ZeRO(deterministic=jaxsync.Deterministic(units=8))`), or drop `unit_prints`."
+)
 MULTI_STEPS = (
     "jaxsync.train_step: `tx` holds optax.MultiSteps, which accumulates gradients after "
     "the step has synced them: every call communicates a whole gradient, and "

@@ -24,7 +24,7 @@ from ..core.specs import full_spec
 from ..fsdp.fully_shard import fully_shard
 from ..fsdp.held import FsdpShards
 from ..optim.layerwise import as_written
-from ..optim.logged import records_rate
+from ..optim.logged import norms_on, records_rate
 from ..optim.loss_scale import init_loss_scale
 from ..optim.master import needs_master, with_fp32_master
 from ..optim.optimizer import distributed_optimizer
@@ -60,8 +60,9 @@ def make_state(
             reduce_dtype=mode.reduce_dtype, clip_grad_norm=step.clip_grad_norm,
             loss_scale=step.loss_scale, rules=mode.rules, stacked=step.stacked or None,
             deterministic=mode.deterministic, labels=step.labels,
-            norms=step.metrics is not None,
+            norms=norms_on(step.metrics),
         )  # fmt: skip
+        tx._config.unit_prints = prints_of(step)  # before init: its metrics hold them
         opt_state = tx.sharded_init(params, mesh)
         if records_rate(step.metrics, opt_state):  # the rate lives beside ZeRO's norms
             tx._config.rate = True
@@ -97,10 +98,10 @@ def make_state(
         n_flags = len(fs.units)
     guard = None
     if not isinstance(mode, ZeRO):
-        on, rate = step.metrics is not None, records_rate(step.metrics, opt_state)
-        guard = jax.device_put(
-            GuardState(init_loss_scale(step.loss_scale), initial_metrics(n_flags, on, rate)), rep
-        )
+        on, rate = norms_on(step.metrics), records_rate(step.metrics, opt_state)
+        units = mode.deterministic.units if prints_of(step) else 0  # DDP: FSDP has none
+        metrics = initial_metrics(n_flags, on, rate, units)
+        guard = jax.device_put(GuardState(init_loss_scale(step.loss_scale), metrics), rep)
     state = TrainState(
         step=jax.device_put(jnp.zeros((), jnp.int32), rep),
         params=held,
@@ -115,6 +116,12 @@ def make_state(
     )  # fmt: skip
     plan = Plan(model, template, tx, fs, specs, None, held=groups)  # type: ignore[arg-type]
     return state, plan
+
+
+def prints_of(step: Any) -> bool:
+    """Whether the step records its units' gradient fingerprints (deterministic mode,
+    ``TrainerMetrics(unit_prints=True)``; ``train_step`` refuses them elsewhere)."""
+    return step.metrics is not None and step.metrics.unit_prints
 
 
 def replicated_copy(tree: PyTree, mesh: Mesh) -> PyTree:

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from ..core.axes import varying_axes
 from ..core.cpu_order import on_cpu
 from ..core.validate import check_loss
-from ..optim.logged import TreeNorms, rate_of, with_rate
+from ..optim.logged import TreeNorms, norms_on, rate_of, with_rate
 from ..optim.loss_scale import active_scale
 from ..sync.views import is_view, trace_views
 from .models import collections
@@ -127,16 +127,17 @@ def finish(
     loss: Any,
     rest: Any,
     batch: Any,
-    unit_flags: Any = None,
+    units: Any = None,
     norms: TreeNorms | None = None,
 ) -> tuple[TrainState, Any]:
     """The optimizer step, the state kept and the step's outputs. ``rest``: the
     :class:`LossAux` of every piece, stacked; ``batch``: this device's rows;
+    ``units``: deterministic mode's record of this device's units (a ``UnitRecord``);
     ``norms``: how this mode's trees add up to the trainer's norms (``metrics=``)."""
     params, opt_state, scale, metrics, finite = guarded_update(
         state, plan.tx, grads, flags, stats,
-        clip_grad_norm=cfg.clip_grad_norm, loss_scale=cfg.loss_scale, unit_flags=unit_flags,
-        branch=on_cpu(cfg.mesh), norms=norms if cfg.metrics is not None else None,
+        clip_grad_norm=cfg.clip_grad_norm, loss_scale=cfg.loss_scale, units=units,
+        branch=on_cpu(cfg.mesh), norms=norms if norms_on(cfg.metrics) else None,
     )  # fmt: skip
     if cfg.metrics is not None:  # the rate at the optimizer's count before this update
         rate = rate_of(cfg.metrics, state.step, opt_state)

@@ -126,7 +126,7 @@ def guarded_update(
     *,
     clip_grad_norm: float | None,
     loss_scale: LossScale,
-    unit_flags: jax.Array | None = None,
+    units: Any = None,
     branch: bool = False,
     norms: TreeNorms | None = None,
 ) -> tuple[PyTree, PyTree, LossScaleState, StepMetrics, jax.Array]:
@@ -136,7 +136,8 @@ def guarded_update(
     clip, skip with state unchanged on NaN/Inf, loss-scale update, metrics.
     ``flags_from``: the gradients whose per-leaf NaN/Inf flags the metrics record
     (the local ones, before the reduction, where the step still has them);
-    ``unit_flags`` (deterministic mode) flags units instead, as ZeRO does.
+    ``units`` (deterministic mode, a ``UnitRecord``) flags units instead, as ZeRO
+    does, and may hold their gradient fingerprints for the metrics.
     ``branch``: skip with a ``lax.cond`` instead of a select per output. On XLA:CPU
     the predicate is host memory, so the branch is free, and the update compiles
     without the selects (the linen MLP's DDP step: 0.8-1.1 s against 1.1-1.3 s; the
@@ -178,7 +179,7 @@ def guarded_update(
         )
         sums = [tuple(jnp.where(finite, x, 0.0) for x in s) for s in sums]
     scale = update_loss_scale(loss_scale, state.loss_scale, finite)
-    metrics = next_metrics(state.metrics, flags_from, finite, grad_norm, zeros, unit_flags)
+    metrics = next_metrics(state.metrics, flags_from, finite, grad_norm, zeros, units)
     if norms is not None:
         kept = opt_state.master if isinstance(opt_state, MasterState) else params
         metrics = with_norms(metrics, norms.total(sums[0], kept))

@@ -34,7 +34,7 @@ from ...core.axes import mesh_axes_size
 from ...core.names import group_of, param_name
 from ...core.specs import entry_axes, full_spec, keep_axes
 from ...layout.ownership import WholeMatrices
-from ...optim.logged import records_rate
+from ...optim.logged import norms_on, records_rate
 from ...optim.loss_scale import init_loss_scale
 from ...optim.master import MasterState
 from ...optim.state import initial_metrics
@@ -193,7 +193,7 @@ def make_state(
         opt_state = SpecZeroState(trained, inner)
         opt_specs = SpecZeroState(shard_specs, inner_specs)
     rep = NamedSharding(mesh, P())
-    on, rate = cfg.metrics is not None, records_rate(cfg.metrics, inner)
+    on, rate = norms_on(cfg.metrics), records_rate(cfg.metrics, inner)
     metrics = initial_metrics(len(layout.leaves()), on, rate)
     guard = jax.device_put(GuardState(init_loss_scale(cfg.loss_scale), metrics), rep)
     state = TrainState(jax.device_put(jnp.zeros((), jnp.int32), rep), held, opt_state, rest, guard)
