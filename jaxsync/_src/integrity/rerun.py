@@ -10,6 +10,11 @@ ones, runs it again from the copy and compares the two results bit for bit. XLA'
 programs are deterministic on the same devices and inputs, so a difference is the
 hardware's (on GPUs, barring kernels that use atomics).
 
+A one-off fault is named from what the first run recorded: NaN/Inf per unit, and,
+with ``TrainerMetrics(unit_prints=True)``, each unit's gradient fingerprints, which
+the rerun's are compared with (the units that differ were computed on the faulty
+device).
+
 A device that is wrong every time (the same wrong bits each run) reproduces too.
 In deterministic mode (:class:`jaxsync.Deterministic`) a unit's gradient is the
 same bits whichever device computes it, so :mod:`.rotation` computes every unit
@@ -49,7 +54,14 @@ NOT_DETERMINISTIC = (
 NO_RECORD = (
     "a one-off fault that left every gradient finite leaves no record of which device "
     "computed what (the step records only NaN/Inf, per unit), and it did not come back "
-    "when every unit was computed again on other devices"
+    "when every unit was computed again on other devices; build the step with "
+    "`metrics=jaxsync.TrainerMetrics(unit_prints=True)` to record each unit's gradient "
+    "fingerprints, which name the device of such a fault"
+)
+AFTER_GRADIENTS = (
+    "every unit's gradient had the same bits in both runs (the step's record of its "
+    "units' fingerprints): the fault came after the gradients (the sync, the optimizer "
+    "update or the memory holding the state), where the record names no device"
 )
 
 
@@ -73,7 +85,9 @@ class RerunReport:
         or, for a numerical event, those whose gradient holds NaN/Inf everywhere
         (the data); unit ``u`` is global rows ``[u * rows_per_unit, (u + 1) *
         rows_per_unit)`` of the batch.
-      grads: param leaves whose unit gradients moved with the device.
+      grads: param leaves whose unit gradients moved with the device, or (a
+        transient fault, ``TrainerMetrics(unit_prints=True)``) whose fingerprints in
+        ``state.metrics.unit_prints`` differ between the first run and the rerun.
       where: how the device was named, or why it could not be.
       rows_per_unit: global batch rows per unit (0 outside deterministic mode).
     """
@@ -180,7 +194,7 @@ class Rerun:
         again, out2 = self.step(kept, batch, **kw)
         differing = _differing(new, again)
         report = RerunReport(number, reason, not differing, loss, _loss(out2), differing)
-        report = self._name(report, rotation, why, recorded)
+        report = self._name(report, rotation, why, recorded, _prints_moved(new, again))
         self.reports.append(report)
         if report.reproducible:
             return new, out
@@ -206,7 +220,12 @@ class Rerun:
         return rotated_units(self.step, kept, batch, kw.get("key")), ""
 
     def _name(
-        self, report: RerunReport, rotation: Rotation | None, why: str, recorded: tuple[int, ...]
+        self,
+        report: RerunReport,
+        rotation: Rotation | None,
+        why: str,
+        recorded: tuple[int, ...],
+        prints: dict[int, tuple[str, ...]] | None,
     ) -> RerunReport:
         """The case, and the device(s) and unit(s) at fault, or why none is named."""
         mesh = self.step.mesh
@@ -234,6 +253,19 @@ class Rerun:
                 where=(f"its units {list(recorded)} " if k else "its local gradients ")
                 + "held NaN/Inf in the first run (the step's record) and not in the rerun",
             )
+        elif not report.reproducible and prints:
+            k = _units_per_device(self.step)
+            units = tuple(sorted(prints))
+            leaves = tuple(sorted({leaf for ls in prints.values() for leaf in ls}))
+            fields.update(
+                devices=tuple(device_ref(mesh, d) for d in sorted({u // k for u in units})),
+                units=units, grads=leaves,
+                where=f"its units {list(units)} gave other gradient bits (of "
+                f"{', '.join(leaves[:3])}) in the first run than in the rerun (the step's "
+                "record of its units' fingerprints)",
+            )  # fmt: skip
+        elif not report.reproducible and prints is not None:
+            fields["where"] = AFTER_GRADIENTS
         elif not report.reproducible:
             fields["where"] = "the device cannot be named: " + (why or NO_RECORD)
         elif rotation is not None:
@@ -267,6 +299,23 @@ def _recorded(kept: Any, new: Any) -> tuple[int, ...]:
         return ()
     first = np.asarray(m.first_nonfinite_device).ravel()
     return tuple(sorted({int(u) for u in first if u >= 0}))
+
+
+def _prints_moved(new: Any, again: Any) -> dict[int, tuple[str, ...]] | None:
+    """``{unit: param leaves}`` whose gradient fingerprints differ between the two runs
+    (``state.metrics.unit_prints``); None where the step does not record them."""
+    first, second = new.metrics.unit_prints, again.metrics.unit_prints
+    if first is None or second is None:
+        return None
+    a, b = np.asarray(jax.device_get(first)), np.asarray(jax.device_get(second))
+    names = [
+        "params" + jax.tree_util.keystr(p)
+        for p, _ in jax.tree_util.tree_flatten_with_path(new.params)[0]
+    ]
+    return {
+        int(u): tuple(names[leaf] for leaf in np.flatnonzero(a[u] != b[u]))
+        for u in np.flatnonzero((a != b).any(axis=1))
+    }
 
 
 class _Host:
