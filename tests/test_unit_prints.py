@@ -148,3 +148,33 @@ def test_a_checkpoint_with_the_record_restores_at_another_dp_size(tmp_path, mode
     assert float(new.metrics.update_norm) == float(state.metrics.update_norm) > 0
     new, _ = step4(new, batches[2])  # and the next step records its own
     assert np.asarray(jax.device_get(new.metrics.unit_prints)).tobytes() != want.tobytes()
+
+
+@pytest.mark.parametrize("mode", ["ddp", "zero"])
+def test_a_checkpoint_restores_across_the_record_setting(tmp_path, mode, mesh8):
+    """Turned on at resume (what a report without the record suggests): the prints start
+    at 0 and the next step records them; turned off: dropped; kept where the other
+    metrics change; started at 0 where the number of units changed."""
+    params, batches = mlp_params(jax.random.PRNGKey(0), sizes=SIZES), _batches(2)
+    rate = jaxsync.TrainerMetrics(learning_rate=0.1, unit_prints=True)
+    cases = [(None, PRINTS, 8, "zero"), (PRINTS, None, 8, None), (PRINTS, rate, 8, "kept"),
+             (PRINTS, PRINTS, 16, "zero")]  # fmt: skip
+    for i, (saved_as, restored_as, units, prints) in enumerate(cases):
+        first = _step(mesh8, mode, 8, metrics=saved_as)
+        state, _ = first(first.init(params), batches[0])
+        with jaxsync.Checkpointer(tmp_path / str(i)) as ckpt:
+            ckpt.save_state(first, state)
+        step = _step(mesh8, mode, units, metrics=restored_as)
+        with jaxsync.Checkpointer(tmp_path / str(i)) as ckpt:
+            new = ckpt.restore_state(step, step.init(params)).state
+        got = new.metrics.unit_prints
+        if prints is None:
+            assert got is None, i
+        else:
+            got = np.asarray(jax.device_get(got))
+            assert got.shape == (units, len(jax.tree.leaves(params))), i
+            want = np.asarray(jax.device_get(state.metrics.unit_prints)) if prints == "kept" else 0
+            assert np.all(got == want) and int(new.step) == 1, i
+        new, _ = step(new, batches[1])
+        assert (new.metrics.unit_prints is None) == (restored_as is None), i
+        assert float(new.metrics.grad_norm) > 0, i

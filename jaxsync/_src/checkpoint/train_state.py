@@ -275,7 +275,7 @@ def restore_state(
 
 
 #: The metrics a step records only with ``metrics=`` (optim.logged), after the seven.
-OPTIONAL_METRICS = ("update_norm", "param_norm", "learning_rate")
+OPTIONAL_METRICS = ("update_norm", "param_norm", "learning_rate", "unit_prints")
 
 
 def metrics_as_saved(saved: PyTree, target: dict[str, Any]) -> tuple[dict[str, Any], Any]:
@@ -285,48 +285,89 @@ def metrics_as_saved(saved: PyTree, target: dict[str, Any]) -> tuple[dict[str, A
     The trainer's metrics (``train_step(metrics=...)``) are the last step's diagnostics,
     so a checkpoint saved with another setting restores: the ones this step does not
     record are dropped, the ones it records start at 0 (their value before a first
-    step). DDP and FSDP keep them by name in ``guard.metrics``; ZeRO by position in
-    ``opt_state.metrics`` (7 fields, then 2 norms, then the rate).
+    step; the units' fingerprints too where the number of units changed). DDP and FSDP
+    keep them by name in ``guard.metrics``; ZeRO by position in ``opt_state.metrics``
+    (7 fields, then the 2 norms and the rate, scalars, then the 2-D fingerprints), read
+    back from the saved shapes.
     """
-    names = set(saved_names(saved))
+    names = saved_names(saved)
     guard, opt = target["guard"], target["opt_state"]
     if hasattr(guard, "metrics"):
         mine = guard.metrics
-        want = [f for f in OPTIONAL_METRICS if f in mine._fields]
-        have = [f for f in OPTIONAL_METRICS if f"guard.metrics.{f}" in names]
-        if want == have:
+        want = {f: getattr(mine, f) for f in OPTIONAL_METRICS if f in mine._fields}
+        have = {f: names[k] for f in OPTIONAL_METRICS if (k := f"guard.metrics.{f}") in names}
+        placed, into = _optional_form(want, have, mine.grad_norm.sharding)
+        if placed is None:
             return target, lambda tree: tree
 
-        def form(m: Any, fields: list[str], value: Any) -> Any:
-            rest = [value(m, f) if f in fields else None for f in OPTIONAL_METRICS]
-            return saved_metrics(StepMetrics(*m[:7], *rest))
-
-        def scalar(m: Any, f: str) -> Any:
-            return jax.ShapeDtypeStruct((), jnp.float32, sharding=m.grad_norm.sharding)
+        def form(m: Any, values: dict[str, Any]) -> Any:
+            return saved_metrics(StepMetrics(*m[:7], *(values.get(f) for f in OPTIONAL_METRICS)))
 
         def back(tree: dict[str, Any]) -> dict[str, Any]:
             read = tree["guard"].metrics
-            value = lambda m, f: getattr(m, f) if f in have else _zero(m.grad_norm)  # noqa: E731
-            return {**tree, "guard": tree["guard"]._replace(metrics=form(read, want, value))}
+            values = into({f: getattr(read, f) for f in have})
+            return {**tree, "guard": tree["guard"]._replace(metrics=form(read, values))}
 
-        return {**target, "guard": guard._replace(metrics=form(mine, have, scalar))}, back
+        return {**target, "guard": guard._replace(metrics=form(mine, placed))}, back
     if not (isinstance(opt, dict) and isinstance(opt.get("metrics"), tuple)):
         return target, lambda tree: tree
     mine = opt["metrics"]
-    count = sum(1 for n in names if n.startswith("opt_state.metrics."))
-    if count == len(mine) or count not in (7, 9, 10):
-        return target, lambda tree: tree  # the same, or a difference compare_trees names
-    like = jax.ShapeDtypeStruct((), jnp.float32, sharding=mine[0].sharding)
-    saved_form = (*mine[:7], *(like,) * (count - 7))
+    prefix = "opt_state.metrics."
+    saved_rest = sorted(
+        (int(k[len(prefix) :]), v) for k, v in names.items()
+        if k.startswith(prefix) and k[len(prefix) :].isdigit() and int(k[len(prefix) :]) >= 7
+    )  # fmt: skip
+    saved_fields = _positional([v[0] for _, v in saved_rest])
+    my_fields = _positional([x.shape for x in mine[7:]])
+    if saved_fields is None or my_fields is None:
+        return target, lambda tree: tree  # not a form of ours: compare_trees names it
+    have = dict(zip(saved_fields, (v for _, v in saved_rest), strict=True))
+    want = dict(zip(my_fields, mine[7:], strict=True))
+    placed, into = _optional_form(want, have, mine[0].sharding)
+    if placed is None:
+        return target, lambda tree: tree
 
     def back_zero(tree: dict[str, Any]) -> dict[str, Any]:
         read = tree["opt_state"]["metrics"]
-        rest = [read[i] if i < count else _zero(read[0]) for i in range(7, len(mine))]
+        values = into(dict(zip(have, read[7:], strict=True)))
+        rest = tuple(values[f] for f in OPTIONAL_METRICS if f in values)
         return {**tree, "opt_state": {**tree["opt_state"], "metrics": (*read[:7], *rest)}}
 
-    return {**target, "opt_state": {**opt, "metrics": saved_form}}, back_zero
+    rest = tuple(placed[f] for f in OPTIONAL_METRICS if f in placed)
+    return {**target, "opt_state": {**opt, "metrics": (*mine[:7], *rest)}}, back_zero
 
 
-def _zero(ref: jax.Array) -> jax.Array:
-    """A metric's value before a first step, placed as ``ref`` (a global array)."""
-    return jax.device_put(np.zeros((), np.float32), ref.sharding)
+def _positional(shapes: list[tuple[int, ...]]) -> list[str] | None:
+    """The optional metrics a ZeRO metrics tuple holds after its seven, from their
+    shapes: the 2 norms and/or the rate (scalars), then the units' prints (2-D); None
+    for any other form."""
+    scalars = [tuple(s) for s in shapes if tuple(s) == ()]
+    fields = ["update_norm", "param_norm"] if len(scalars) >= 2 else []
+    fields += ["learning_rate"] if len(scalars) % 2 else []
+    fields += ["unit_prints"] if len(shapes) > len(scalars) else []
+    ordered = [tuple(s) == () for s in shapes] == sorted(
+        [tuple(s) == () for s in shapes], reverse=True
+    )
+    return fields if len(fields) == len(shapes) and ordered else None
+
+
+def _optional_form(want: dict[str, Any], have: dict[str, Any], sharding: Any) -> tuple[Any, Any]:
+    """``(the saved optional metrics as placeholders, fn: read values -> this step's)``;
+    ``(None, None)`` where the checkpoint holds what this step records, alike."""
+    same = lambda f: f in have and tuple(have[f][0]) == tuple(want[f].shape)  # noqa: E731
+    if list(want) == list(have) and all(same(f) for f in want):
+        return None, None
+    placed = {
+        f: jax.ShapeDtypeStruct(tuple(shape), jnp.dtype(dtype), sharding=sharding)
+        for f, (shape, dtype) in have.items()
+    }
+
+    def into(read: dict[str, Any]) -> dict[str, Any]:
+        return {f: read[f] if same(f) else _zero(want[f], sharding) for f in want}
+
+    return placed, into
+
+
+def _zero(like: Any, sharding: Any) -> jax.Array:
+    """A metric's value before a first step, shaped as ``like`` and placed replicated."""
+    return jax.device_put(np.zeros(like.shape, like.dtype), sharding)
