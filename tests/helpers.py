@@ -234,3 +234,17 @@ def launch(tmp_path, job: str, *args: str, timeout: float = 120):
          str(script), os.path.join(root, "tests"), *args],
         cwd=root, capture_output=True, text=True, timeout=timeout, env=env,
     )  # fmt: skip
+
+
+def lower_on_h100s(fn, *shapes, gpus=2):
+    """``fn`` inside shard_map over ``gpus`` compile-only H100s (axis "data"), every
+    input replicated: ``shapes`` are ``(shape, dtype)`` pairs. Returns the Lowered."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jaxsync.gpu_topology("h100", hosts=1, gpus_per_host=gpus)
+    sh = NamedSharding(mesh, P())
+    args = [jax.ShapeDtypeStruct(s, d, sharding=sh) for s, d in shapes]
+    f = jax.shard_map(fn, mesh=mesh, in_specs=(P(),) * len(args), out_specs=P(),
+                      check_vma=False)  # fmt: skip
+    return jax.jit(f).lower(*args)

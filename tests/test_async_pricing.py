@@ -14,9 +14,8 @@ import tempfile
 import jax
 import jax.numpy as jnp
 import pytest
+from helpers import lower_on_h100s
 from jax._src.compute_on import compute_on
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 import jaxsync
 from jaxsync._src.gpu.read import read_schedule
@@ -40,12 +39,7 @@ def _layer(stack, i):
 
 
 def _lower(fn, *shapes):
-    mesh = jaxsync.gpu_topology("h100", hosts=1, gpus_per_host=2)
-    sh = NamedSharding(mesh, P())
-    args = [jax.ShapeDtypeStruct(s, d, sharding=sh) for s, d in shapes]
-    f = jax.shard_map(fn, mesh=mesh, in_specs=(P(),) * len(args), out_specs=P(),
-                      check_vma=False)  # fmt: skip
-    return jax.jit(f).lower(*args)
+    return lower_on_h100s(fn, *shapes, gpus=2)
 
 
 STACK, INDEX = ((L, M, D), jnp.bfloat16), ((), jnp.int32)

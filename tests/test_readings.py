@@ -21,8 +21,7 @@ would read a whole L over what it asserts of the timeline. (Checked by reading
 import jax
 import jax.numpy as jnp
 import pytest
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
+from helpers import lower_on_h100s
 
 import jaxsync
 
@@ -45,12 +44,7 @@ def _matmuls(a, w):
 
 def _report(fn, *shapes):
     """``fn`` inside shard_map over 8 compile-only H100s, every input replicated."""
-    mesh = jaxsync.gpu_topology("h100", hosts=1, gpus_per_host=8)
-    sh = NamedSharding(mesh, P())
-    args = [jax.ShapeDtypeStruct(s, d, sharding=sh) for s, d in shapes]
-    f = jax.shard_map(fn, mesh=mesh, in_specs=(P(),) * len(args), out_specs=P(),
-                      check_vma=False)  # fmt: skip
-    return jaxsync.schedule_report(jax.jit(f).lower(*args))
+    return jaxsync.schedule_report(lower_on_h100s(fn, *shapes, gpus=8))
 
 
 A, W, G = ((M, D), jnp.bfloat16), ((D, D), jnp.bfloat16), ((S,), jnp.float32)

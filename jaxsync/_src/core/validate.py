@@ -38,6 +38,18 @@ def check_bool(value: Any, name: str) -> bool:
     return bool(value)
 
 
+def check_option(value: Any, cls: type, what: str) -> Any:
+    """An opt-in option given as None/False (off), True (``cls()``, its defaults) or an
+    instance of ``cls``; ``what`` names the argument and an example in the error."""
+    if value is None or value is False:
+        return None
+    if value is True:
+        return cls()
+    if not isinstance(value, cls):
+        raise TypeError(f"{what}, True for its defaults or None, got {value!r}.")
+    return value
+
+
 def check_float_dtype(dtype: Any, name: str, *, allow_none: bool = False) -> None:
     """Reductions and master weights in an integer dtype would truncate silently."""
     if dtype is None and allow_none:

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from ..core.axes import axes_size, bound_axes, to_varying
-from ..core.validate import check_local_loss
+from ..core.validate import check_local_loss, check_option
 from .fixed_point import MAX_ADDENDS, unit_sum
 
 PyTree = Any
@@ -125,16 +125,10 @@ class UnitGrads:
 
 def check_deterministic(det: Any, name: str = "deterministic") -> Deterministic | None:
     """``det`` as a :class:`Deterministic` (``True``: the default units) or None."""
-    if det is None or det is False:
-        return None
-    if det is True:
-        return Deterministic()
-    if not isinstance(det, Deterministic):
-        raise TypeError(
-            f"`{name}` must be a jaxsync.Deterministic (e.g. `jaxsync.Deterministic(units=8)`), "
-            f"True or None, got {det!r}."
-        )
-    return det
+    return check_option(
+        det, Deterministic,
+        f"`{name}` must be a jaxsync.Deterministic (e.g. `jaxsync.Deterministic(units=8)`)",
+    )  # fmt: skip
 
 
 def units_per_device(det: Deterministic, axes: tuple[str, ...], fn: str) -> int:

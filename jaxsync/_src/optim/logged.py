@@ -34,6 +34,7 @@ import numpy as np
 import optax
 
 from ..core.axes import to_varying
+from ..core.validate import check_option
 from ..deterministic.fixed_point import exact_total
 from .state import StepMetrics
 
@@ -94,16 +95,7 @@ class TrainerMetrics:
 
 def check_metrics(metrics: Any) -> TrainerMetrics | None:
     """``train_step``'s ``metrics=``: None/False (off), True (defaults) or a value."""
-    if metrics is None or metrics is False:
-        return None
-    if metrics is True:
-        return TrainerMetrics()
-    if not isinstance(metrics, TrainerMetrics):
-        raise TypeError(
-            "`metrics` must be a jaxsync.TrainerMetrics (or True for its defaults, None to "
-            f"leave them off), got {metrics!r}."
-        )
-    return metrics
+    return check_option(metrics, TrainerMetrics, "`metrics` must be a jaxsync.TrainerMetrics")
 
 
 def norms_on(cfg: TrainerMetrics | None) -> bool:
