@@ -9,7 +9,6 @@ from ``P * (4 + state)`` bytes to ``ceil(P / N) * (4 + state)`` plus padding.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -19,9 +18,8 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ..core.axes import AxisName, bound_axes, mesh_axes_size, normalize_axes, rank, to_varying
+from ..core.axes import AxisName, bound_axes, mesh_axes_size, normalize_axes, rank
 from ..core.specs import param_specs_of
-from ..core.tree_reduce import count_zeros
 from ..core.validate import check_bool
 from ..deterministic.exact import UNIT_GRADS_WITHOUT_MODE, exact_shards
 from ..deterministic.units import Deterministic, UnitGrads, check_deterministic
@@ -37,6 +35,7 @@ from .checks import (
     check_sharded_grads,
     check_update,
 )
+from .clip import clip_to_norm, shard_stats
 from .layerwise import as_written
 from .logged import shard_sums, with_norms
 from .loss_scale import LossScale, active_scale, check_loss_scale, update_loss_scale
@@ -352,32 +351,7 @@ def distributed_optimizer(
                 grads, layout, axis_name=axes, reduce_dtype=reduce_dtype, scale=inv_scale
             )
 
-        # One small all-reduce over the whole mesh for the norm and the zero count.
-        # Every logical element counts once: shards are disjoint over their buffer's
-        # axes, pieces over the `varying` axes are distinct, and copies replicated
-        # over the remaining axes are weighted by 1 / (number of copies).
-        mesh_shape = dict(jax.sharding.get_abstract_mesh().shape)
-        all_axes = tuple(mesh_shape)
-        stats, padding = [], 0.0
-        for s, buf in zip(shards, layout.buffers, strict=True):
-            key = buf.key
-            copies = math.prod(
-                n for a, n in mesh_shape.items() if a not in key.axes and a not in key.varying
-            )
-            stat = (
-                jnp.stack(
-                    [
-                        jnp.sum(jnp.square(s.astype(jnp.float32))),
-                        count_zeros(s),
-                    ]
-                )
-                / copies
-            )
-            stats.append(to_varying(stat, all_axes))
-            padding += (buf.size - buf.used) * math.prod(mesh_shape[a] for a in key.varying)
-        total = jax.lax.psum(sum(stats), all_axes)
-        grad_norm = jnp.sqrt(total[0])
-        num_zeros = jnp.round(total[1] - padding).astype(jnp.int32)
+        grad_norm, num_zeros = shard_stats(layout, shards)
         finite = jnp.isfinite(grad_norm)
         return apply_shards(
             cfg, layout, shards, state, params, grads, grad_norm, num_zeros, finite, held=held
@@ -409,11 +383,7 @@ def apply_shards(
     the step gathers them layer by layer in the next forward instead.
     """
     if cfg.clip_grad_norm is not None:
-        # Same arithmetic as optax.clip_by_global_norm, so results match it.
-        keep = grad_norm < cfg.clip_grad_norm
-        shards = tuple(
-            jnp.where(keep, s, (s / grad_norm.astype(s.dtype)) * cfg.clip_grad_norm) for s in shards
-        )
+        shards = clip_to_norm(shards, grad_norm, cfg.clip_grad_norm)
 
     new_master, new_inner, out, updates = [], [], [], []
     for bi, buf in enumerate(layout.buffers):

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 
 from ..core.axes import to_varying
 from ..core.tree_reduce import sq_sum_and_zeros
+from ..optim.clip import clip_to_norm
 from ..optim.logged import TreeNorms, with_norms
 from ..optim.loss_scale import LossScale, LossScaleState, update_loss_scale
 from ..optim.master import MasterState, master_update
@@ -96,10 +97,7 @@ def clip_and_check(
     grad_norm = jnp.sqrt(sq_sum)
     finite = jnp.isfinite(grad_norm)
     if clip_grad_norm is not None:
-        keep = grad_norm < clip_grad_norm
-        grads = jax.tree.map(
-            lambda g: jnp.where(keep, g, (g / grad_norm.astype(g.dtype)) * clip_grad_norm), grads
-        )
+        grads = clip_to_norm(grads, grad_norm, clip_grad_norm)
     return grads, grad_norm, finite, zeros
 
 
