@@ -5,6 +5,7 @@ These run without a GPU: `jaxsync.gpu_topology` gives compile-only CUDA devices
 `jaxsync.schedule_report` reads the latency-hiding scheduler's model of the program.
 """
 
+import re
 from functools import partial
 
 import jax
@@ -330,14 +331,21 @@ def test_steps_that_gain_nothing_from_a_pipelined_reduce_scatter_do_not_pay_for_
 
 def test_xla_flags_keep_the_users_pipelining_choice(monkeypatch):
     from jaxsync._src.core.xla_names import pipelined
-    from jaxsync._src.step.xla_options import DOUBLE_BUFFERING, step_compiler_options
+    from jaxsync._src.step.xla_options import (
+        DOUBLE_BUFFERING,
+        REDUCE_SCATTER_COMBINE,
+        step_compiler_options,
+    )
 
     monkeypatch.setenv("XLA_FLAGS", "")
     # 1-D steps keep the pipelined reduce-scatter, and their loops are double-buffered;
-    # ZeRO and FSDP also pipeline the forward's per-layer all-gathers
+    # ZeRO and FSDP also pipeline the forward's per-layer all-gathers; FSDP keeps its
+    # units' reduce-scatters apart
     gather, reduce = pipelined("all_gather", True), pipelined("all_reduce", True)
+    apart = {REDUCE_SCATTER_COMBINE: 1}
     assert step_compiler_options("zero", two_d=False) == {DOUBLE_BUFFERING: True, **gather}
-    assert step_compiler_options("fsdp", two_d=False) == {DOUBLE_BUFFERING: True, **gather}
+    assert step_compiler_options("fsdp", two_d=False) == {DOUBLE_BUFFERING: True, **gather,
+                                                           **apart}  # fmt: skip
     assert step_compiler_options("ddp", two_d=False) == {DOUBLE_BUFFERING: True, **reduce}
     assert step_compiler_options("ddp", two_d=True) == pipelined("reduce_scatter", False)
     # XLA_FLAGS takes the old boolean spelling on every jaxlib: it counts as a choice
@@ -345,11 +353,44 @@ def test_xla_flags_keep_the_users_pipelining_choice(monkeypatch):
         "XLA_FLAGS",
         f"--xla_gpu_enable_pipelined_all_gather=false --{DOUBLE_BUFFERING}=false",
     )
-    assert step_compiler_options("fsdp", two_d=False) == {}
+    assert step_compiler_options("fsdp", two_d=False) == apart
+    monkeypatch.setenv("XLA_FLAGS", f"--{REDUCE_SCATTER_COMBINE}=1048576")
+    assert REDUCE_SCATTER_COMBINE not in step_compiler_options("fsdp", two_d=False)
     monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_pipelined_reduce_scatter")
     assert step_compiler_options("zero", two_d=True) == {}
     monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_pipelined_reduce_scatter_x=true")
     assert step_compiler_options("zero", two_d=True) == pipelined("reduce_scatter", False)
+
+
+@needs_plugin
+def test_fsdp_keeps_its_units_reduce_scatters_apart():
+    """Two FSDP units whose gradients are ready at different times (the head's right
+    after the loss, the embedding's last): XLA would combine their reduce-scatters
+    into one, holding the head's gradient until the embedding's is ready; the step
+    reduces each unit on its own (xla_options.REDUCE_SCATTER_COMBINE)."""
+    from jaxsync._src.step.xla_options import REDUCE_SCATTER_COMBINE
+
+    def loss(params, x):
+        h = jnp.tanh(x.astype(jnp.bfloat16) @ params["embed"])
+        for _ in range(3):
+            h = jnp.tanh(h @ params["mid"])
+        return jnp.mean((h @ params["head"]).astype(jnp.float32) ** 2)
+
+    mesh = jaxsync.gpu_topology("h100")
+    params = {k: jax.ShapeDtypeStruct((D, D), jnp.float32) for k in ("embed", "mid", "head")}
+    step = jaxsync.train_step(loss, optax.adamw(1e-3), mesh, mode="fsdp")
+    lowered = step.lower(step.abstract_state(params),
+                         jax.ShapeDtypeStruct((8 * 256, D), jnp.float32))  # fmt: skip
+
+    def operands(options):  # operands of each reduce-scatter the compiled step makes
+        text = lowered.compile(compiler_options=options).as_text()
+        starts = re.findall(r"= \(\(([^)]*)\).*? reduce-scatter-start\(", text)
+        plain = re.findall(r"= \S+ reduce-scatter\(([^)]*)\)", text)
+        return [len(s.split("},")) for s in starts] + [len(p.split(",")) for p in plain]
+
+    ours, combined = operands({}), operands({REDUCE_SCATTER_COMBINE: 2**30})
+    assert ours and max(ours) == 1, ours
+    assert max(combined) > 1, combined  # what XLA does left to its threshold
 
 
 def test_every_compile_option_jaxsync_sets_is_one_this_xla_knows(monkeypatch):
