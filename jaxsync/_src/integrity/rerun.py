@@ -181,8 +181,10 @@ class Rerun:
         # The step donates `state`: keep a copy of it.
         kept = jax.tree.map(jnp.copy, state) if self.keep == "device" else _to_host(state)
         new, out = self.step(state, batch, **kw)
-        loss = _loss(out)
-        reason = self._suspicious(new, loss)
+        # One host read per step: the loss and the skipped flag together.
+        loss, skipped = jax.device_get((_loss_of(out), new.metrics.skipped))
+        loss = float(loss)
+        reason = self._suspicious(bool(skipped), loss)
         if reason is None:
             self.recent.append(loss)
             return new, out
@@ -193,7 +195,8 @@ class Rerun:
         rotation, why = self._rotate(kept, batch, kw)  # before the rerun donates `kept`
         again, out2 = self.step(kept, batch, **kw)
         differing = _differing(new, again)
-        report = RerunReport(number, reason, not differing, loss, _loss(out2), differing)
+        rerun_loss = float(jax.device_get(_loss_of(out2)))
+        report = RerunReport(number, reason, not differing, loss, rerun_loss, differing)
         report = self._name(report, rotation, why, recorded, _prints_moved(new, again))
         self.reports.append(report)
         if report.reproducible:
@@ -202,8 +205,8 @@ class Rerun:
             self.recent.append(report.rerun_loss)
         return again, out2  # the fault was the first run's
 
-    def _suspicious(self, state: Any, loss: float) -> str | None:
-        if bool(jax.device_get(state.metrics.skipped)) or not np.isfinite(loss):
+    def _suspicious(self, skipped: bool, loss: float) -> str | None:
+        if skipped or not np.isfinite(loss):
             return "nonfinite"
         jump = self.loss_jump is not None and bool(self.recent)
         if jump and loss > self.loss_jump * float(np.mean(self.recent)):
@@ -215,7 +218,7 @@ class Rerun:
         mode = getattr(self.step, "mode", None)
         if mode is None or deterministic_of(mode) is None:
             return None, NOT_DETERMINISTIC
-        if int(np.prod([self.step.mesh.shape[a] for a in self.step.axis_name])) == 1:
+        if _dp_size(self.step) == 1:
             return None, "one device: there is no other device to compute its units"
         return rotated_units(self.step, kept, batch, kw.get("key")), ""
 
@@ -288,7 +291,12 @@ def _units_per_device(step: Any) -> int:
     det = deterministic_of(step.mode) if hasattr(step, "mode") else None
     if det is None:
         return 0
-    return det.units // int(np.prod([step.mesh.shape[a] for a in step.axis_name]))
+    return det.units // _dp_size(step)
+
+
+def _dp_size(step: Any) -> int:
+    """Devices the step's batch is split over."""
+    return int(np.prod([step.mesh.shape[a] for a in step.axis_name]))
 
 
 def _recorded(kept: Any, new: Any) -> tuple[int, ...]:
@@ -344,9 +352,9 @@ def _to_device(host: Any) -> Any:
     return jax.tree.map(back, host, is_leaf=lambda x: isinstance(x, _Host))
 
 
-def _loss(out: Any) -> float:
-    loss = out[0] if isinstance(out, tuple) else out
-    return float(jax.device_get(loss))
+def _loss_of(out: Any) -> Any:
+    """The loss in a step's output (``loss`` or ``(loss, aux)``), still on device."""
+    return out[0] if isinstance(out, tuple) else out
 
 
 def _differing(a: Any, b: Any) -> tuple[str, ...]:
