@@ -248,3 +248,19 @@ def lower_on_h100s(fn, *shapes, gpus=2):
     f = jax.shard_map(fn, mesh=mesh, in_specs=(P(),) * len(args), out_specs=P(),
                       check_vma=False)  # fmt: skip
     return jax.jit(f).lower(*args)
+
+
+def train_beside_optax(step, state, tx, ref, loss_fn, batches):
+    """Runs ``step`` and plain ``tx`` on one device (from params ``ref``) on the same
+    global batches, checking each step's loss against the one-device loss; returns
+    ``(state, ref)`` after the last step."""
+    import optax
+
+    opt = tx.init(ref)
+    for batch in batches:
+        state, loss = step(state, batch)
+        ref_loss, g = jax.value_and_grad(loss_fn)(ref, batch)
+        upd, opt = tx.update(g, opt, ref)
+        ref = optax.apply_updates(ref, upd)
+        np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
+    return state, ref

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import train_beside_optax
 
 import jaxsync
 
@@ -60,16 +61,10 @@ def _batches(steps=3):
 @pytest.mark.parametrize("stacked", [(), "blocks"], ids=["unrolled", "stacked"])
 def test_an_equinox_model_trains_as_optax_on_one_device(mesh8, mode, stacked):
     step = jaxsync.train_step(loss_fn, optax.sgd(0.1), mesh8, mode, stacked=stacked)
-    state = step.init(PARAMS)
-    ref, tx = PARAMS, optax.sgd(0.1)
-    opt = tx.init(ref)
     xs, ys = _batches()
-    for i in range(3):
-        state, loss = step(state, (xs[i], ys[i]))
-        ref_loss, g = jax.value_and_grad(loss_fn)(ref, (xs[i], ys[i]))
-        upd, opt = tx.update(g, opt, ref)
-        ref = optax.apply_updates(ref, upd)
-        np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
+    batches = [(xs[i], ys[i]) for i in range(3)]
+    state, ref = train_beside_optax(step, step.init(PARAMS), optax.sgd(0.1), PARAMS, loss_fn,
+                                    batches)  # fmt: skip
     got = step.params(state)
     assert jax.tree.structure(got) == jax.tree.structure(ref)  # the same eqx.Module tree
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref), strict=True):

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import train_beside_optax
 
 import jaxsync
 
@@ -44,15 +45,9 @@ def test_dense_general_s_boxed_kernels_train_as_on_one_device(mesh8, mode):
     y = jax.random.normal(jax.random.PRNGKey(2), (3, 32, 16))
     boxed = MODEL.init(jax.random.PRNGKey(0), x[0])["params"]
     step = jaxsync.train_step(loss_fn, optax.sgd(0.1), mesh8, mode)
-    state = step.init(boxed)
-    ref, tx = nn.unbox(boxed), optax.sgd(0.1)
-    opt = tx.init(ref)
-    for i in range(3):
-        state, loss = step(state, (x[i], y[i]))
-        ref_loss, g = jax.value_and_grad(loss_fn)(ref, (x[i], y[i]))
-        upd, opt = tx.update(g, opt, ref)
-        ref = optax.apply_updates(ref, upd)
-        np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
+    batches = [(x[i], y[i]) for i in range(3)]
+    state, ref = train_beside_optax(step, step.init(boxed), optax.sgd(0.1), nn.unbox(boxed),
+                                    loss_fn, batches)  # fmt: skip
     got = step.params(state)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
