@@ -17,6 +17,7 @@ import pytest
 from jaxsync._src.multihost.watchdog import (
     CHECKPOINT,
     DATA,
+    EXITED,
     HANG_EXIT_CODE,
     START,
     STEP,
@@ -66,6 +67,8 @@ rows = 2 * jax.local_device_count()
 batch = (np.ones((rows, 4), np.float32), np.ones((rows, 2), np.float32))
 for i in range(10_000):
     now[0] = i
+    if mode == "finish" and i == {STALL_AT}:
+        break
     if rank == 1 and i == {STALL_AT}:
         if mode == "sleep":
             stall()
@@ -78,6 +81,12 @@ for i in range(10_000):
             os._exit(3)
     state, loss = step(state, batch)
     print("step", i, float(loss), flush=True)
+if mode == "finish":  # rank 1's script ends; rank 0 works on alone, past the dead timeout
+    if rank == 1:
+        stall()
+    else:
+        time.sleep(3 * float(os.environ["JAXSYNC_DEAD_TIMEOUT"]))
+    print("finished", flush=True)
 """
 
 
@@ -100,10 +109,10 @@ def stopped(pid):
         return f.read().rsplit(")", 1)[1].split()[0] == "T"
 
 
-def run_job(tmp_path, mode, limit=45.0):
-    """Starts the 2 ranks; returns ({rank: code}, {rank: output}, {rank: seconds from
-    the stall to the exit}, still-running Popen objects) once every rank that can
-    exit has (a SIGSTOPped one cannot)."""
+def run_job(tmp_path, mode, limit=45.0, **env_vars):
+    """Starts the 2 ranks (``env_vars`` added to their environment); returns ({rank:
+    code}, {rank: output}, {rank: seconds from the stall to the exit}, still-running
+    Popen objects) once every rank that can exit has (a SIGSTOPped one cannot)."""
     job = tmp_path / "job.py"
     job.write_text(textwrap.dedent(JOB))
     port = free_port()
@@ -118,6 +127,7 @@ def run_job(tmp_path, mode, limit=45.0):
             "JAXSYNC_NUM_PROCESSES": "2",
             "JAXSYNC_PROCESS_ID": str(rank),
             "JAXSYNC_HANG_TIMEOUT": str(TIMEOUT),
+            **env_vars,
         }
         env.pop("JAXSYNC_LAUNCH_DIR", None)
         log = open(tmp_path / f"out.{rank}", "w")  # noqa: SIM115 (closed below)
@@ -227,6 +237,66 @@ def test_a_rank_that_exits_before_a_collective_is_named(tmp_path):
     print("seconds from the stall to each exit:", after)
 
 
+@pytest.mark.multiprocess
+@pytest.mark.timeout(90)
+def test_a_rank_whose_script_ended_is_not_taken_for_dead(tmp_path):
+    # Rank 1 finishes and waits in JAX's shutdown while rank 0 works on for three
+    # dead timeouts: rank 1's monitor stopped at exit (before JAX freed its clients)
+    # and said so, so rank 0 does not name it as dead and both end cleanly.
+    codes, outs, after, _ = run_job(
+        tmp_path, "finish", JAXSYNC_HANG_TIMEOUT="0", JAXSYNC_DEAD_TIMEOUT="2"
+    )
+    assert codes == {0: 0, 1: 0}, (codes, outs)
+    assert "jaxsync hang watchdog" not in outs[0] + outs[1]
+    assert after[0] > 6.0 and "finished" in outs[0] and "finished" in outs[1], after
+
+
+class FakeStore:
+    """The coordination service's key-value store, in this process."""
+
+    def __init__(self):
+        self.kv = {}
+
+    def key_value_set(self, key, value, allow_overwrite=False):
+        self.kv[key] = value
+
+    def key_value_dir_get(self, prefix):
+        return [(k, v) for k, v in self.kv.items() if k.startswith(prefix)]
+
+
+def test_the_monitor_stops_before_jax_exits_and_says_so(monkeypatch):
+    import json
+
+    import jax.numpy as jnp
+    from jax._src.distributed import global_state
+
+    from jaxsync._src.multihost import watchdog
+
+    loss = jnp.ones(())  # (JAX's backend starts with the real client: none)
+    store = FakeStore()
+    monkeypatch.setattr(global_state, "client", store)
+    monkeypatch.setattr(watchdog, "_pos", (4, DATA))
+    monkeypatch.setattr(watchdog, "_pending", watchdog.collections.deque(maxlen=64))
+    monkeypatch.setattr(watchdog, "_watch", None)
+    monkeypatch.setattr(watchdog, "MONITOR_INTERVAL", 0.05)
+    monkeypatch.delenv("JAXSYNC_HANG_TIMEOUT", raising=False)  # judges only the dead (30 s)
+    monkeypatch.delenv("JAXSYNC_DEAD_TIMEOUT", raising=False)
+    watchdog.start(None, 1, 2)
+    watch = watchdog._watch
+    watchdog._pending.append((4, loss))
+    deadline = time.monotonic() + 10
+    while "jaxsync/hang/1" not in store.kv and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert json.loads(store.kv["jaxsync/hang/1"])[1:3] == [4, DATA]
+    assert all(t.is_alive() for t in watch.threads) and len(watch.threads) == 2
+    watchdog.stop()
+    assert not any(t.is_alive() for t in watch.threads)
+    beat, step, phase, done = json.loads(store.kv["jaxsync/hang/1"])
+    assert (step, phase, done) == (4, watchdog.EXITED, 4) and beat == watch.beat
+    assert watchdog._watch is None and not watchdog._pending  # no array outlives it
+    watchdog.stop()  # again, as at exit: nothing to do
+
+
 def seen(rank, step, phase, done=None, beat=0.5, moved=0.5):
     return Seen(rank, step, phase, step if done is None else done, beat, moved)
 
@@ -252,6 +322,9 @@ def seen(rank, step, phase, done=None, beat=0.5, moved=0.5):
          ("together", (0, 1))),
         ([seen(0, 0, START, moved=60), seen(1, 0, START, moved=60)], None),
         ([seen(0, 0, STEP, moved=6), seen(1, 0, START, moved=60)], None),
+        # a script that ended is not dead; behind the others it did not arrive
+        ([seen(0, 5, DATA), seen(1, 5, EXITED, beat=60, moved=60)], None),
+        ([seen(0, 6, STEP, moved=6), seen(1, 5, EXITED, beat=60, moved=6)], ("behind", (1,))),
     ],
 )  # fmt: skip
 def test_decide_names_who_holds_the_job_up(records, verdict):

@@ -276,3 +276,24 @@ def test_sys_exit_with_a_failure_code_does_not_wait_for_the_others(tmp_path):
     )  # fmt: skip
     assert out.returncode == 7 and out.stdout == "bye\n"
     assert time.monotonic() - t0 < 30
+
+
+def test_a_line_repeated_at_once_is_counted_not_copied():
+    # A crash printing one line from every thread must leave its cause in the tail.
+    import io
+    import threading
+
+    from jaxsync._src.multihost import children
+
+    lines = [b"terminate called after throwing X\n", *[b"terminate called recursively\n"] * 300]
+    lines += [b"a\n", b"a\n", b"b\n"]
+    out, raised = io.StringIO(), {}
+    children.pump(1, io.BytesIO(b"".join(lines)), out, threading.Lock(), raised)
+    assert out.getvalue().splitlines() == [
+        "[1] terminate called after throwing X",
+        "[1] terminate called recursively",
+        "[1] (the line above 299 more times)",
+        "[1] a",
+        "[1] a",
+        "[1] b",
+    ]

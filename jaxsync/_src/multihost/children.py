@@ -36,12 +36,33 @@ class Exit(NamedTuple):
 def pump(
     rank: int, stream: IO[bytes], out: IO[str], lock: threading.Lock, raised: dict[int, float]
 ) -> None:
+    """Copies a process's lines to ``out``, prefixed with its rank. A line repeated
+    at once is written once and then counted: a crash that prints one line from
+    every thread (``terminate called recursively``) must not push the line that says
+    why out of a log's tail."""
+    last, repeats = b"", 0
+
+    def write(text: str) -> None:
+        with lock:
+            out.write(f"[{rank}] {text}")
+            out.flush()
+
+    def flush_repeats() -> None:
+        if repeats == 1:
+            write(last.decode(errors="replace"))
+        elif repeats:
+            write(f"(the line above {repeats} more times)\n")
+
     for line in iter(stream.readline, b""):
         if line.startswith(TRACEBACK):
             raised.setdefault(rank, time.monotonic())  # when it first raised
-        with lock:
-            out.write(f"[{rank}] {line.decode(errors='replace')}")
-            out.flush()
+        if line == last:
+            repeats += 1
+            continue
+        flush_repeats()
+        last, repeats = line, 0
+        write(line.decode(errors="replace"))
+    flush_repeats()
 
 
 def wait(rank: int, proc: subprocess.Popen, exits: queue.Queue) -> None:

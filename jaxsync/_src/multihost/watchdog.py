@@ -36,6 +36,7 @@ the step's one XLA program, so it is reported as forward/backward.
 
 from __future__ import annotations
 
+import atexit
 import collections
 import contextlib
 import faulthandler
@@ -45,30 +46,37 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any, NamedTuple
+from typing import Any
 
 from . import faults, shapes
+from .verdict import (  # noqa: F401 (the watchdog's names, for callers and tests)
+    CHECK,
+    CHECKPOINT,
+    DATA,
+    ENV_FIRST_STEP_TIMEOUT,
+    ENV_HANG_TIMEOUT,
+    EXITED,
+    FIRST_STEP_TIMEOUT,
+    HANG_EXIT_CODE,
+    START,
+    STEP,
+    Seen,
+    Verdict,
+    _seconds,
+    decide,
+    first_step_from,
+    report,
+    timeout_from,
+    where,
+)
 
-#: Exit code of a process the watchdog ends (EX_TEMPFAIL: restart from a checkpoint).
-HANG_EXIT_CODE = 75
-#: Read by :func:`jaxsync.initialize` when ``hang_timeout`` is not given.
-ENV_HANG_TIMEOUT = "JAXSYNC_HANG_TIMEOUT"
-#: Read by :func:`jaxsync.initialize` when ``first_step_timeout`` is not given.
-ENV_FIRST_STEP_TIMEOUT = "JAXSYNC_FIRST_STEP_TIMEOUT"
-#: The first step's allowance (set-up, compilation) when neither says: 10 minutes,
-#: or ``hang_timeout`` if that is longer.
-FIRST_STEP_TIMEOUT = 600.0
 #: How often the monitor publishes and reads without a ``hang_timeout``, seconds.
 MONITOR_INTERVAL = 1.0
 #: Without a ``hang_timeout``: a process whose heartbeat stood still this long (seconds)
 #: is dead, killed or frozen, and the others exit naming it. Read from the environment.
 ENV_DEAD_TIMEOUT = "JAXSYNC_DEAD_TIMEOUT"
 DEAD_TIMEOUT = 30.0
-START, DATA, STEP, CHECKPOINT = "start", "data", "forward/backward", "checkpoint"
-#: The cross-process comparisons of :mod:`.consistency` (at ``init``, the first step).
-CHECK = "cross-process check"
 _KEY = "jaxsync/hang/"
-_DEAD = "dead, stopped or frozen"
 
 # Written by the training thread only; read by the watchdog's threads.
 _pos: tuple[int, str] = (0, START)
@@ -76,107 +84,6 @@ _last_step: tuple[Any, int] | None = None  # (the step array the last step retur
 _pending: collections.deque = collections.deque(maxlen=64)  # (step, loss) not seen finished
 _watch: _Watch | None = None
 _shapes: dict[Any, tuple] = {}  # step function -> its last batch's (shape, dtype)s
-
-
-class Seen(NamedTuple):
-    """One process as a watcher sees it; ages in seconds on the watcher's clock."""
-
-    rank: int
-    step: int
-    phase: str
-    done: int  # steps its device has finished
-    beat_age: float  # since its heartbeat counter last changed
-    pos_age: float  # since its (step, phase) last changed
-
-
-class Verdict(NamedTuple):
-    why: str  # "silent", "behind" or "together"
-    named: tuple[int, ...]
-
-
-def decide(seen: list[Seen], timeout: float, first_step: float | None = None) -> Verdict | None:
-    """Who holds the job up, from what every process last published (pure).
-
-    A process whose heartbeat stood still for ``timeout`` is dead or stopped. Else
-    the processes furthest behind (lowest step; at equal steps between steps
-    before inside one) that have not moved for ``timeout`` while another is ahead
-    hold the others up. Else, all at one place for ``timeout`` are stuck together,
-    inside a collective or a step. Processes whose device has not finished a step
-    yet (set-up, compilation) get ``first_step`` (default: :func:`first_step_from`)
-    instead of ``timeout``.
-    """
-    first_step = first_step_from(first_step, timeout)
-    silent = tuple(s.rank for s in seen if s.beat_age > timeout)
-    if silent:
-        return Verdict("silent", silent)
-    lowest = min(_order(s) for s in seen)
-    behind = [s for s in seen if _order(s) == lowest]
-    # Set-up before the first step (model init, compilation) has its own allowance.
-    limit = first_step if all(s.done == 0 for s in behind) else timeout
-    if any(s.pos_age <= limit for s in behind):
-        return None
-    why = "behind" if len(behind) < len(seen) else "together"
-    return Verdict(why, tuple(s.rank for s in behind))
-
-
-def _order(s: Seen) -> tuple[int, int]:
-    # set-up before any step < between steps (or in a check) < inside the step
-    return (s.step, 2 if s.phase == STEP else 0 if s.phase == START else 1)
-
-
-def report(
-    verdict: Verdict,
-    seen: list[Seen],
-    timeout: float,
-    me: int,
-    first_step: float | None = None,
-    limit: str = "hang_timeout",
-) -> str:
-    """The message a verdict prints: who, at which step and phase, for how long."""
-    by_rank = {s.rank: s for s in seen}
-    named = ", ".join(str(r) for r in verdict.named)
-    first = by_rank[verdict.named[0]]
-    if verdict.why == "silent":
-        head = (
-            f"process(es) {named} stopped answering: no heartbeat for {first.beat_age:.1f}s "
-            f"({_DEAD}), last seen at {where(first)}"
-        )
-    elif verdict.why == "behind":
-        head = (
-            f"process(es) {named} did not arrive: stuck at {where(first)} for "
-            f"{first.pos_age:.1f}s while the others are ahead and wait for it"
-        )
-        if first.beat_age > timeout / 3:  # live ones beat every timeout / 10 s
-            head += f"; its heartbeat stopped too, {first.beat_age:.1f}s ago ({_DEAD})"
-    else:
-        head = (
-            f"every process has been at {where(first)} for {first.pos_age:.1f}s: none is "
-            "behind, so the step itself does not finish somewhere (a process stuck inside "
-            "it, e.g. in a host callback, or a step longer than the timeout); see the "
-            "Python stacks"
-        )
-    if verdict.why != "silent" and first.done == 0:
-        head += (
-            f" (before its first step finished: first_step_timeout="
-            f"{first_step_from(first_step, timeout):g}s)"
-        )
-    lines = [
-        f"jaxsync hang watchdog (process {me}, {limit}={timeout:g}s): {head}. "
-        f"Exiting with code {HANG_EXIT_CODE}."
-    ]
-    for s in seen:
-        who = " (this process)" if s.rank == me else ""
-        lines.append(
-            f"  process {s.rank}{who}: {where(s)}; moved {s.pos_age:.1f}s ago, "
-            f"heartbeat {s.beat_age:.1f}s ago"
-        )
-    return "\n".join(lines)
-
-
-def where(s: Seen) -> str:
-    if s.phase != STEP and s.done < s.step:  # dispatched, but its device is not done
-        return f"step {s.done}, phase {STEP} (device; host already at step {s.step}, {s.phase})"
-    return f"step {s.step}, phase {s.phase}"
 
 
 def run_step(fn: Callable[[Any, Any], Any], state: Any, batch: Any) -> Any:
@@ -220,40 +127,6 @@ def phase(name: str) -> Iterator[None]:
         _pos = (_pos[0], before[1])
 
 
-def _seconds(value: float | None, env: str, what: str) -> float | None:
-    """``value``, else the environment variable ``env``; None when neither is set."""
-    if value is None:
-        text = os.environ.get(env, "").strip()
-        if not text:
-            return None
-        what = f"{env}={text!r}"
-        try:
-            value = float(text)
-        except ValueError:
-            value = -1.0
-    if not value >= 0:  # also NaN
-        raise ValueError(
-            f"{what} must be a number of seconds >= 0 (0: off), above the longest step, "
-            f"compilation and checkpoint save; got {value!r}."
-        )
-    return float(value)
-
-
-def timeout_from(hang_timeout: float | None) -> float | None:
-    """``hang_timeout``, else :data:`ENV_HANG_TIMEOUT`; None when off (unset or 0)."""
-    return _seconds(hang_timeout, ENV_HANG_TIMEOUT, "`hang_timeout`") or None
-
-
-def first_step_from(first_step_timeout: float | None, timeout: float | None) -> float:
-    """The first step's allowance: ``first_step_timeout``, else
-    :data:`ENV_FIRST_STEP_TIMEOUT`, else the longer of :data:`FIRST_STEP_TIMEOUT`
-    and ``timeout``; 0 means no limit."""
-    got = _seconds(first_step_timeout, ENV_FIRST_STEP_TIMEOUT, "`first_step_timeout`")
-    if got is None:
-        return max(FIRST_STEP_TIMEOUT, timeout or 0.0)
-    return got or float("inf")
-
-
 def start(
     hang_timeout: float | None,
     process_id: int,
@@ -271,7 +144,37 @@ def start(
 
     _watch = _Watch(global_state.client, process_id, num_processes, timeout, first)
     for target, name in ((_watch.publish, "publisher"), (_watch.judge, "judge")):
-        threading.Thread(target=target, name=f"jaxsync-hang-{name}", daemon=True).start()
+        thread = threading.Thread(target=target, name=f"jaxsync-hang-{name}", daemon=True)
+        _watch.threads.append(thread)
+        thread.start()
+    # Registered after JAX's own exit handler (jax is imported by now), so it runs
+    # first: JAX then frees its clients with no thread of ours inside them.
+    atexit.register(stop)
+
+
+def stop(timeout: float = 5.0) -> None:
+    """Stops the monitor and waits (up to ``timeout`` s) for its threads to leave.
+
+    Runs at interpreter exit, before JAX's exit handler frees its runtime clients:
+    a daemon thread still inside a jaxlib call then (an RPC, an array's
+    ``is_ready``) is ended by the interpreter's finalization mid-call, which
+    aborts the process (``FATAL: exception not rethrown``) after it finished.
+    """
+    global _watch, _last_step
+    watch = _watch
+    if watch is None or watch.failing.is_set():  # fail() ends the process itself
+        return
+    watch.stopping.set()
+    end = time.monotonic() + timeout
+    for thread in watch.threads:
+        if thread is not threading.current_thread():
+            thread.join(max(0.0, end - time.monotonic()))
+    if not watch.closed():  # the others' judges: its heartbeat stops, it is not dead
+        with contextlib.suppress(Exception):
+            set_key = watch.client.key_value_set
+            faults.call(set_key, f"{_KEY}{watch.rank}", watch.text(EXITED), True, timeout=2.0)
+    _watch, _last_step = None, None
+    _pending.clear()  # the last steps' arrays: freed now, while JAX still runs
 
 
 class _Watch:
@@ -289,6 +192,9 @@ class _Watch:
         self.faults: dict[int, dict] = {}  # fault records, as last read
         self.quit = threading.Event()  # set while this process reports its own failure
         self.failing = threading.Event()  # set once fail() runs: it ends the process
+        self.stopping = threading.Event()  # set by stop(): the threads leave
+        self.beat = 0
+        self.threads: list[threading.Thread] = []
 
     def _finished(self) -> int:
         while _pending:
@@ -316,17 +222,20 @@ class _Watch:
 
         return global_state.client is not self.client
 
+    def text(self, phase_name: str | None = None) -> str:
+        """This process's next heartbeat record: [beat, step, phase, steps done]."""
+        self.beat += 1
+        step, now = _pos
+        return json.dumps([self.beat, step, phase_name or now, self._finished()])
+
     def publish(self) -> None:
-        beat = 0
-        while not self.closed():
-            beat += 1
-            step, where = _pos
-            text = json.dumps([beat, step, where, self._finished()])
+        while not self.closed() and not self.stopping.is_set():
+            text = self.text()
             try:  # blocks while the coordinator (in process 0) is stopped: the judge sees it
                 self.client.key_value_set(f"{_KEY}{self.rank}", text, allow_overwrite=True)
                 entries = self.client.key_value_dir_get("jaxsync/")
             except Exception:  # its absence of answers is what the judge looks at
-                time.sleep(self.interval)
+                self.stopping.wait(self.interval)
                 continue
             now = time.monotonic()
             for key, value in entries:
@@ -343,7 +252,7 @@ class _Watch:
                 row[0], row[5] = value, d
             self.faults = faults.parse(entries)
             self.answered = now
-            time.sleep(self.interval)
+            self.stopping.wait(self.interval)
 
     def seen(self, now: float) -> list[Seen]:
         return [
@@ -352,8 +261,7 @@ class _Watch:
         ]
 
     def judge(self) -> None:
-        while True:
-            time.sleep(self.interval)
+        while not self.stopping.wait(self.interval):
             if self.closed():
                 return
             rec = faults.first(self.faults, self.rank, hangs=False)
@@ -373,7 +281,7 @@ class _Watch:
             elif self.timeout:
                 verdict = decide(seen, self.timeout, self.first)
             else:
-                silent = tuple(s.rank for s in seen if s.beat_age > limit)
+                silent = tuple(s.rank for s in seen if s.beat_age > limit and s.phase != EXITED)
                 verdict, name = Verdict("silent", silent) if silent else None, ENV_DEAD_TIMEOUT
                 late = decide(seen, float("inf"), self.first)  # first steps only
                 if verdict is None and late is not None and late.why == "behind":
@@ -395,10 +303,10 @@ class _Watch:
         that is this process; -1: by none, shared by all), exits with ``code``."""
         self.quit.set()
         self.failing.set()
-        step, where = _pos
+        step, at = _pos
         after = None if culprit == self.rank else culprit
         line = message.split("\n")[0][:500]
-        rec = faults.record(self.rank, step, where, line, after, code == HANG_EXIT_CODE)
+        rec = faults.record(self.rank, step, at, line, after, code == HANG_EXIT_CODE)
         faults.publish(self.rank, rec)
         with contextlib.suppress(Exception):
             sys.stderr.write(message + "\n")
