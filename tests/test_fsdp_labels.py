@@ -82,10 +82,16 @@ def test_labels_equal_multi_transform_with_one_state_per_element(stacked):
     padded = sum(b.size * max(b.layers, 1) for u in fs.units for b in fs.layout(u).buffers)
     assert size(state.params) == padded
     assert size(state.opt_state) == 2 * padded + 2
-    # every unit buffer holds one label; units with both labels have two buffers
+    # every unit buffer holds one label, and a label's buffers lie side by side: one
+    # piece of each unit's shard per label (a stacked unit has a buffer per param)
     labels = {u: [b.key.label for b in fs.layout(u).buffers] for u in fs.units}
-    assert all(len(set(v)) == len(v) for v in labels.values())
-    assert sorted(labels["blocks" if stacked else "layer0"]) == ["decay", "no_decay"]
+    pieces = {u: [lab for v, lab, _, _ in fs.pieces() if v == u] for u in fs.units}
+    assert all(len(set(v)) == len(v) for v in pieces.values())
+    assert sorted(pieces["blocks" if stacked else "layer0"]) == ["decay", "no_decay"]
+    if stacked:
+        assert len(labels["blocks"]) == len(params["blocks"])  # one buffer per param
+    else:
+        assert all(len(set(v)) == len(v) for v in labels.values())
 
 
 def test_explicit_path_and_label_errors():

@@ -332,6 +332,7 @@ def test_steps_that_gain_nothing_from_a_pipelined_reduce_scatter_do_not_pay_for_
 def test_xla_flags_keep_the_users_pipelining_choice(monkeypatch):
     from jaxsync._src.core.xla_names import pipelined
     from jaxsync._src.step.xla_options import (
+        ALL_GATHER_COMBINE,
         DOUBLE_BUFFERING,
         REDUCE_SCATTER_COMBINE,
         step_compiler_options,
@@ -356,6 +357,11 @@ def test_xla_flags_keep_the_users_pipelining_choice(monkeypatch):
     assert step_compiler_options("fsdp", two_d=False) == apart
     monkeypatch.setenv("XLA_FLAGS", f"--{REDUCE_SCATTER_COMBINE}=1048576")
     assert REDUCE_SCATTER_COMBINE not in step_compiler_options("fsdp", two_d=False)
+    # FSDP combines a stacked layer's all-gathers up to its largest gathered layer
+    assert step_compiler_options("fsdp", two_d=False, layer_bytes=5000)[ALL_GATHER_COMBINE] == 5000
+    assert ALL_GATHER_COMBINE not in step_compiler_options("zero", two_d=False, layer_bytes=5000)
+    monkeypatch.setenv("XLA_FLAGS", f"--{ALL_GATHER_COMBINE}=1048576")
+    assert ALL_GATHER_COMBINE not in step_compiler_options("fsdp", two_d=False, layer_bytes=5000)
     monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_pipelined_reduce_scatter")
     assert step_compiler_options("zero", two_d=True) == {}
     monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_pipelined_reduce_scatter_x=true")
@@ -391,6 +397,43 @@ def test_fsdp_keeps_its_units_reduce_scatters_apart():
     ours, combined = operands({}), operands({REDUCE_SCATTER_COMBINE: 2**30})
     assert ours and max(ours) == 1, ours
     assert max(combined) > 1, combined  # what XLA does left to its threshold
+
+
+@needs_plugin
+def test_fsdp_gathers_a_layer_param_by_param_combined_into_one_all_gather():
+    """A stacked FSDP layer is gathered param by param, each straight into its own
+    array (no slice of a gathered row to copy out); the step sets XLA's all-gather
+    combining to its largest layer (xla_options.ALL_GATHER_COMBINE), so one layer's
+    gathers still run as one collective. Here the layer is 64 MiB in bf16, past a
+    30 MiB threshold, under which its params go apart."""
+    from jaxsync._src.step.xla_options import ALL_GATHER_COMBINE
+
+    d, bf = 2048, jnp.bfloat16
+    params = {
+        "embed": jax.ShapeDtypeStruct((d, d), bf),
+        "blocks": {
+            "w1": jax.ShapeDtypeStruct((2, d, 4 * d), bf),
+            "w2": jax.ShapeDtypeStruct((2, 4 * d, d), bf),
+            "g": jax.ShapeDtypeStruct((2, d), bf),
+        },
+    }
+    mesh = jaxsync.gpu_topology("h100")
+    step = jaxsync.train_step(_stack_loss, optax.adamw(1e-3), mesh, mode="fsdp", stacked="blocks")
+    state = step.abstract_state(params)
+    lowered = step.lower(state, jax.ShapeDtypeStruct((8 * 64, d), jnp.float32))
+    assert step.fully_shard(state).layer_bytes() == 2 * (2 * d * 4 * d + d)
+
+    def gathers(options):  # the result shapes of each all-gather of a layer's params
+        text = lowered.compile(compiler_options=options).as_text()
+        sites = jaxsync.overlap_report(text).collectives
+        embed = (f"bf16[{d * d}]",)
+        return [c.shapes for c in sites if c.kind == "all-gather" and c.shapes != embed]
+
+    layer = ("bf16[2048]", f"bf16[{d * 4 * d}]", f"bf16[{d * 4 * d}]")
+    ours = gathers({})
+    assert ours and all(sorted(s) == sorted(layer) for s in ours), ours
+    apart = gathers({ALL_GATHER_COMBINE: 30 * 2**20})
+    assert apart and all(len(s) == 1 for s in apart), apart
 
 
 def test_every_compile_option_jaxsync_sets_is_one_this_xla_knows(monkeypatch):

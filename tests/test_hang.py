@@ -172,8 +172,9 @@ def run_job(tmp_path, mode, limit=45.0, **env_vars):
 # Not moving for the timeout, rank 1 may be named as behind just before its
 # heartbeat counts as stopped too (it stood still 1 s before it stopped).
 NAMED_SILENT = (
-    rf"process\(es\) 1 (stopped answering|did not arrive).* step {STALL_AT}, phase data.*"
-    r"dead, stopped or frozen"
+    rf"process\(es\) 1 (stopped answering: .*dead, stopped or frozen\), last seen at step "
+    rf"{STALL_AT}, phase data|did not arrive: .* step {STALL_AT}, phase data.*dead, stopped "
+    r"or frozen)"
 )
 
 

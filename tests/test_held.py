@@ -148,4 +148,7 @@ def test_fsdp_keeps_its_gathered_layers_unless_it_reshards(mesh8, reshard):
     compiled = step.lower(state, (batches[0][0], batches[1][0])).compile()
     loops = jaxsync.overlap_report(compiled).in_loop(kind="all-gather")
     assert {c.trip_count for c in loops} == {LAYERS}
-    assert len(loops) == (2 if reshard else 1)
+    roles = sorted({c.loop_role for c in loops})
+    assert roles == (["backward", "forward"] if reshard else ["forward"])
+    per_layer = len(scanned_params(jax.random.key(0))["blocks"])  # an all-gather per param
+    assert len(loops) == len(roles) * per_layer

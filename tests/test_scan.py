@@ -226,8 +226,9 @@ def test_fsdp_scanned_equals_single_device(mesh8, reshard, microbatches):
     batches = scanned_batches(jax.random.PRNGKey(1), STEPS, BATCH)
     ref, _ = run_reference(_inner(), params, batches, loss_fn=scanned_loss)
     fs, shards, *_ = _train_fsdp(mesh8, params, batches, microbatches, reshard)
-    # the stack is one unit, [L, shard] per device
-    assert {s.data.shape for s in shards["blocks"].addressable_shards} == {(LAYERS, 112)}
+    # the stack is one unit, [L, shard] per device; each param in a buffer of its own,
+    # padded to 128: w1 384, b1 24 -> 128, w2 384, b2 16 -> 128, 1024 / 8 ranks
+    assert {s.data.shape for s in shards["blocks"].addressable_shards} == {(LAYERS, 128)}
     got = fs.unshard(shards, mesh8)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=3e-5, atol=3e-6), ref, got)
 
@@ -237,14 +238,17 @@ def test_fsdp_scanned_gathers_in_forward_and_scatters_in_backward_loop(mesh8):
     batches = scanned_batches(jax.random.PRNGKey(1), 1, BATCH)
     fs, shards, state, step, batch = _train_fsdp(mesh8, params, batches)
     report = jaxsync.overlap_report(step.lower(shards, state, batch).compile())
-    row = fs.layout("blocks").buffers[0].size
-    (fwd,) = report.in_loop(kind="all-gather", role="forward")
-    assert fwd.shapes == (f"f32[{row}]",) and fwd.trip_count == LAYERS
+    # one all-gather per param of the layer, straight into its own array
+    rows = sorted(f"f32[{b.size}]" for b in fs.layout("blocks").buffers)
+    assert rows == ["f32[128]", "f32[128]", "f32[384]", "f32[384]"]
+    fwd = report.in_loop(kind="all-gather", role="forward")
+    assert sorted(c.shapes[0] for c in fwd) == rows and {c.trip_count for c in fwd} == {LAYERS}
     # the rematted layer body gathers again in the backward (reshard after forward)
-    (regather,) = report.in_loop(kind="all-gather", role="backward")
-    assert regather.shapes == (f"f32[{row}]",)
+    regather = report.in_loop(kind="all-gather", role="backward")
+    assert sorted(c.shapes[0] for c in regather) == rows
+    # and the layer's gradient goes back in one reduce-scatter, every rank's shard
     (rs,) = report.in_loop(kind="reduce-scatter", role="backward")
-    assert rs.shapes == (f"f32[{row // 8}]",) and rs.trip_count == LAYERS
+    assert rs.shapes == ("f32[128]",) and rs.trip_count == LAYERS
     # only the unstacked units are gathered and reduced outside the loops
     assert all(c.bytes <= 512 for c in report.in_entry())
 

@@ -135,3 +135,29 @@ def test_a_checkpoint_without_the_tag_is_named(tmp_path):
         step8(restored, batch())
     restored = restored._replace(layout=step8.init(params()).layout)  # saved at this layout
     step8(restored, batch())
+
+
+def test_a_stacked_fsdp_state_cut_as_layer_rows_is_refused():
+    """Before 2026-11 a stacked FSDP unit's shard was a slice of each layer's flat row;
+    now it is a piece of every param (gathered param by param). A state saved then with
+    plain orbax has the same shapes in another order: its tag, the old fingerprint of
+    the same options, is refused by name."""
+    import zlib
+
+    from helpers import scanned_batches, scanned_loss, scanned_params
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from jaxsync._src.step.shard_tag import _stable
+
+    mesh = Mesh(np.array(jax.devices()[:8]), ("data",))
+    step = jaxsync.train_step(scanned_loss, optax.sgd(0.1), mesh, "fsdp", stacked="blocks")
+    state = step.init(scanned_params(jax.random.key(0)))
+    xs, ys = scanned_batches(jax.random.key(1), 1, 16)
+    before = (step.mode.name, step.axis_name, step.stacked, None, None, step.mode.units)
+    old = np.array([8, zlib.crc32(repr(_stable(before)).encode()) & 0x7FFFFFFF], np.int32)
+    assert not np.array_equal(old, np.asarray(state.layout))
+    stale = state._replace(layout=jax.device_put(old, NamedSharding(mesh, P())))
+    with pytest.raises(ValueError, match=r"other layout options"):
+        step(stale, (xs[0], ys[0]))
+    step(state, (xs[0], ys[0]))  # its own tag trains on

@@ -21,7 +21,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
-from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -31,8 +30,13 @@ from ..core.validate import check_bool, check_float_params
 from ..layout.layout import Layout
 from ..layout.placement import normalize_stacked, stack_layers
 from ..layout.records import BufferKey
-from ..sync.views import GATHERED
-from .gather import MixedPrecision, cast_floats, default_policy, gather_shard, reduce_shard
+from .gather import (
+    MixedPrecision,
+    default_policy,
+    gather_pieces,
+    gather_shard,
+    reduce_shard,
+)
 from .grad import check_microbatches as check_microbatches
 from .grad import value_and_grad as _value_and_grad
 from .held import plain
@@ -44,6 +48,9 @@ from .shards import shard as _shard
 from .shards import unshard as _unshard
 from .unit import UnitFlat, assign_units, check_units, unit_flat
 from .view import ShardedLayers as ShardedLayers
+from .view import apply as _apply
+from .view import gather_layer as _gather_layer
+from .view import layer_bytes as _layer_bytes
 from .view import view as _view
 
 PyTree = Any
@@ -250,28 +257,24 @@ class FullyShard:
         flat = self._gather_flat(shards[unit], "FullyShard.gather")
         return self._flat[unit].unflatten(flat, self.policy.param_dtype)
 
-    def _gather_flat(self, shard: jax.Array, fn: str) -> jax.Array:
-        """All-gather of a flat shard in param_dtype; its VJP reduce-scatters into it."""
+    def _gather_flat(self, shard: jax.Array, fn: str, widths: Any = None) -> Any:
+        """All-gather of a flat shard in param_dtype (with ``widths``: of each piece,
+        :func:`.gather.gather_pieces`); the VJP reduce-scatters into the shard."""
         axes = bound_axes(self.axes, fn)
         rep = bound_axes(self.replicate_axes, fn) if self.replicate_axes else ()
-        return gather_shard(
-            shard, axes, rep, jnp.dtype(self.policy.param_dtype).name,
-            jnp.dtype(self.policy.reduce_dtype).name,
-        )  # fmt: skip
+        dtypes = jnp.dtype(self.policy.param_dtype).name, jnp.dtype(self.policy.reduce_dtype).name
+        if widths is not None:
+            return gather_pieces(shard, tuple(widths), axes, rep, *dtypes)
+        return gather_shard(shard, axes, rep, *dtypes)
 
     def gather_layer(self, shard: jax.Array, unit: str) -> PyTree:
-        """One layer of a stacked unit, gathered (inside the scanned layer body).
+        """One layer of a stacked unit, gathered (inside the scanned layer body):
+        :func:`.view.gather_layer`."""
+        return _gather_layer(self, shard, unit)
 
-        Returns the layer's params shaped like the stacked group's subtree; the
-        backward reduce-scatters the layer's gradient inside the backward scan.
-        """
-        flat = self._gather_flat(shard, "FullyShard.gather_layer")
-        # Named, so a remat policy can keep gathered layers (save_only_these_names)
-        # when memory allows, instead of gathering them again in the backward.
-        flat = checkpoint_name(flat, GATHERED)
-        named = self._flat[unit].unflatten_row(flat, self.policy.param_dtype)
-        treedef, names = self._groups[unit]
-        return jax.tree.unflatten(treedef, [named[n] for n in names])
+    def layer_bytes(self) -> int:
+        """Bytes of the largest stacked layer, gathered (0 without one)."""
+        return _layer_bytes(self, self._layers)
 
     def view(self, shards: dict[str, Any]) -> PyTree:
         """The params as the model reads them, from the shards (inside shard_map).
@@ -302,21 +305,7 @@ class FullyShard:
         gathered params (a dict), they are used as is.
         """
         self._check_unit(unit, "FullyShard.apply", shards)
-        if self.policy.cast_forward_inputs:
-            inputs = cast_floats(inputs, self.policy.param_dtype)
-
-        def run(shard: Any, *inputs: Any) -> Any:
-            full = shard if isinstance(shard, dict) else self.gather({unit: shard}, unit)
-            return fn(full, *inputs)
-
-        if self.reshard_after_forward and not isinstance(shards[unit], dict):
-            # Gathered params are never a dot's output, so this policy re-gathers
-            # them. jax.checkpoint's optimization barriers are JAX's documented way
-            # to keep XLA from merging the backward gather into the forward one; on
-            # XLA:CPU we saw the pair merged anyway (not checked on GPU here).
-            run = jax.checkpoint(run, policy=self.remat_policy)
-        out = run(shards[unit], *inputs)
-        return cast_floats(out, self.policy.output_dtype)
+        return _apply(self, shards, unit, fn, *inputs)
 
     def gather_all(self, shards: dict[str, jax.Array]) -> dict[str, dict[str, jax.Array]]:
         """Every unit gathered (for accumulation without a sync per microbatch)."""
@@ -391,9 +380,10 @@ def fully_shard(
         group, replicate over this axis (gradients all-reduced across it).
       stacked: dotted prefixes of stacked-layer groups (leading layer axis, run
         by ``lax.scan``). Each is a unit of its own whose shard is
-        ``[layers, shard]``; the model reads it through :meth:`FullyShard.view`
-        and :func:`jaxsync.tap`, which gathers one layer in the forward loop body
-        and reduce-scatters its gradient in the backward loop body.
+        ``[layers, shard]``, a piece of every param of the layer; the model reads
+        it through :meth:`FullyShard.view` and :func:`jaxsync.tap`, which gathers
+        one layer in the forward loop body, each param straight into its own
+        array, and reduce-scatters its gradient in the backward loop body.
       labels: optimizer labels (a pytree of strings shaped like the params, or a
         function of the params returning one), for one optimizer per label
         (:meth:`FullyShard.multi_transform`: weight decay on matrices only). Each

@@ -1,6 +1,14 @@
 """The FSDP gather: all-gather a flat shard whose backward reduce-scatters into it.
 
 Also the mixed-precision policy that decides the dtypes of both directions.
+
+A stacked layer is gathered piece by piece (:func:`gather_pieces`): its shard
+holds a piece of every param, each param's pieces are all-gathered straight into
+that param's own array (XLA combines the layer's all-gathers into one), and the
+backward packs the layer's gradient in that same order, in ``reduce_dtype``, for
+one reduce-scatter. One all-gather of the whole row would instead need every
+param cut out of it: a copy of the layer, in the forward and again in the
+backward's re-gather.
 """
 
 from __future__ import annotations
@@ -104,3 +112,39 @@ def gather_bwd(axes, replicate, param_dtype, reduce_dtype, like, ct):
 
 
 gather_shard.defvjp(gather_fwd, gather_bwd)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4, 5))
+def gather_pieces(
+    shard: jax.Array, widths: tuple[int, ...], axes, replicate, param_dtype: str, reduce_dtype: str
+) -> tuple[jax.Array, ...]:
+    """Each ``widths`` piece of ``shard`` (one layer's), all-gathered on its own, in
+    ``param_dtype``: the flat arrays of the layer's buffers."""
+    out, lo = [], 0
+    for w in widths:
+        full = jax.lax.all_gather(
+            shard[..., lo : lo + w].astype(param_dtype), axes, axis=shard.ndim - 1, tiled=True
+        )
+        out.append(to_varying(full, replicate) if replicate else full)
+        lo += w
+    return tuple(out)
+
+
+def pieces_fwd(shard, widths, axes, replicate, param_dtype, reduce_dtype):
+    out = gather_pieces(shard, widths, axes, replicate, param_dtype, reduce_dtype)
+    return out, jnp.zeros((0,), shard.dtype)
+
+
+def pieces_bwd(widths, axes, replicate, param_dtype, reduce_dtype, like, cts):
+    # Every rank's part of each buffer, side by side: the rank-major order of the
+    # shard, so one reduce-scatter leaves each rank its shard as it is stored.
+    n = axes_size(axes)
+    rows = [
+        ct.astype(reduce_dtype).reshape(*ct.shape[:-1], n, w)
+        for ct, w in zip(cts, widths, strict=True)
+    ]
+    packed = jnp.concatenate(rows, axis=-1).reshape(*cts[0].shape[:-1], n * sum(widths))
+    return (reduce_shard(packed, axes, replicate).astype(like.dtype),)
+
+
+gather_pieces.defvjp(pieces_fwd, pieces_bwd)

@@ -25,7 +25,6 @@ from ..sync.views import call_with_views
 FullyShardT = Any
 
 
-
 def value_and_grad(
     fs: FullyShardT,
     loss_fn: Callable[..., Any],

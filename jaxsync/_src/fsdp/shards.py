@@ -169,23 +169,20 @@ def from_portable(fs: FullyShardT, opt: Any, template: PyTree, mesh: Mesh) -> An
     return _per_label(fs, opt, one)
 
 
-def _label_buffers(fs: FullyShardT, label: str) -> list[tuple[str, int]]:
-    """``(unit, buffer index)`` of ``label``'s buffer in each unit that has one."""
-    return [
-        (u, bi)
-        for u in fs.units
-        for bi, buf in enumerate(fs.layout(u).buffers)
-        if buf.key.label == label
-    ]
+def _label_units(fs: FullyShardT, label: str) -> list[str]:
+    """The units that hold params of ``label``."""
+    return [u for u in fs.units if fs.unit_flat(u).label_buffers(label)]
 
 
 def _unshard_label(fs: FullyShardT, pieces: dict[str, jax.Array], label: str, mesh: Mesh) -> Any:
-    # A label's global piece array is rank-major over one buffer: that buffer's flat array.
+    # A label's global piece array is rank-major over its buffers, side by side.
     def build(pieces: dict[str, jax.Array]) -> dict[str, jax.Array]:
         out = {}
-        for u, bi in _label_buffers(fs, label):
+        for u in _label_units(fs, label):
             flat = fs.unit_flat(u)
-            by_slot = flat.layout.unpack_leaves([[pieces[u]]], [bi], jnp.float32)
+            bis = flat.label_buffers(label)
+            flats = flat.to_buffers(pieces[u], bis)
+            by_slot = flat.layout.unpack_leaves([[f] for f in flats], bis, jnp.float32)
             out.update({flat.names[si]: x for si, x in by_slot.items()})
         return out
 
@@ -197,13 +194,14 @@ def _unshard_label(fs: FullyShardT, pieces: dict[str, jax.Array], label: str, me
 def _shard_label(fs: FullyShardT, arrays: dict[str, Any], label: str, mesh: Mesh) -> Any:
     def build(arrays: dict[str, Any]) -> dict[str, jax.Array]:
         out = {}
-        for u, bi in _label_buffers(fs, label):
+        for u in _label_units(fs, label):
             flat = fs.unit_flat(u)
+            bis = flat.label_buffers(label)
             leaves = [arrays.get(n) for n in flat.names]
-            (buckets,) = flat.layout.pack_leaves(leaves, [bi], jnp.float32)
-            out[u] = buckets[0]
+            buckets = flat.layout.pack_leaves(leaves, bis, jnp.float32)
+            out[u] = flat.from_buffers([b[0] for b in buckets], bis)
         return out
 
     specs = fs.specs()
-    shardings = {u: NamedSharding(mesh, specs[u]) for u, _ in _label_buffers(fs, label)}
+    shardings = {u: NamedSharding(mesh, specs[u]) for u in _label_units(fs, label)}
     return convert(build, (arrays,), mesh, shardings, key=("fsdp.shard_label", fs, label, mesh))

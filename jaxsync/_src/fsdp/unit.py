@@ -60,28 +60,52 @@ class UnitFlat:
         return self.layout.buffers[0].lead
 
     def pieces(self) -> tuple[tuple[str | None, int, int], ...]:
-        """``(label, start, end)`` of each buffer's piece in a rank's shard."""
-        out, start = [], 0
+        """``(label, start, end)`` of each label's piece in a rank's shard (a label's
+        buffers lie side by side: one piece each)."""
+        out: list[tuple[str | None, int, int]] = []
+        start = 0
         for buf, w in zip(self.layout.buffers, self.widths, strict=True):
-            out.append((buf.key.label, start, start + w))
+            label = buf.key.label
+            if out and out[-1][0] == label:
+                out[-1] = (label, out[-1][1], start + w)
+            else:
+                assert all(lab != label for lab, _, _ in out), self.layout  # one piece each
+                out.append((label, start, start + w))
             start += w
         return tuple(out)
 
-    def to_buffers(self, x: jax.Array) -> tuple[jax.Array, ...]:
-        """Rank-major ``[..., num_shards * shard_size]`` -> each buffer's flat array."""
-        if len(self.widths) == 1:
+    def label_buffers(self, label: str | None) -> tuple[int, ...]:
+        """Indices of ``label``'s buffers (side by side in the shard)."""
+        return tuple(bi for bi, b in enumerate(self.layout.buffers) if b.key.label == label)
+
+    def to_buffers(
+        self, x: jax.Array, buffers: Sequence[int] | None = None
+    ) -> tuple[jax.Array, ...]:
+        """Rank-major ``[..., num_shards * width]`` -> each buffer's flat array; ``x``
+        holds ``buffers`` (side by side; default: all of them)."""
+        bis = range(len(self.widths)) if buffers is None else buffers
+        widths = [self.widths[bi] for bi in bis]
+        if len(widths) == 1:
             return (x,)
         lead, n = x.shape[:-1], self.num_shards
-        ranks = x.reshape(*lead, n, self.shard_size)
-        return tuple(ranks[..., lo:hi].reshape(*lead, n * (hi - lo)) for _, lo, hi in self.pieces())
+        ranks = x.reshape(*lead, n, sum(widths))
+        out, lo = [], 0
+        for w in widths:
+            out.append(ranks[..., lo : lo + w].reshape(*lead, n * w))
+            lo += w
+        return tuple(out)
 
-    def from_buffers(self, flats: Sequence[jax.Array]) -> jax.Array:
+    def from_buffers(
+        self, flats: Sequence[jax.Array], buffers: Sequence[int] | None = None
+    ) -> jax.Array:
         """Inverse of :meth:`to_buffers`."""
+        bis = range(len(self.widths)) if buffers is None else buffers
+        widths = [self.widths[bi] for bi in bis]
         if len(flats) == 1:
             return flats[0]
         lead, n = flats[0].shape[:-1], self.num_shards
-        ranks = [f.reshape(*lead, n, w) for f, w in zip(flats, self.widths, strict=True)]
-        return jnp.concatenate(ranks, axis=-1).reshape(*lead, n * self.shard_size)
+        ranks = [f.reshape(*lead, n, w) for f, w in zip(flats, widths, strict=True)]
+        return jnp.concatenate(ranks, axis=-1).reshape(*lead, n * sum(widths))
 
     def flatten(self, tree: PyTree, dtype: Any) -> jax.Array:
         """The unit's ``{param name: array}`` as one rank-major flat array (global shards)."""
@@ -91,9 +115,16 @@ class UnitFlat:
         """Inverse of :meth:`flatten` (a gathered unit, or the global shards)."""
         return self.layout.unflatten(self.to_buffers(x), dtype)
 
-    def unflatten_row(self, x: jax.Array, dtype: Any) -> dict[str, jax.Array]:
-        """One layer of a stacked unit from its gathered row: ``{param name: slice}``."""
-        flats = self.to_buffers(x)
+    @property
+    def per_leaf(self) -> bool:
+        """Whether each param has a buffer of its own (a stacked unit): a rank's shard
+        is then a piece of every param, gathered param by param."""
+        return all(b.key.part is not None for b in self.layout.buffers)
+
+    def unflatten_row(self, flats: Sequence[jax.Array], dtype: Any) -> dict[str, jax.Array]:
+        """One layer of a stacked unit from its buffers' gathered rows (one flat
+        array per buffer, as :func:`.gather.gather_pieces` returns them):
+        ``{param name: array}``. A param that fills its buffer is a reshape of it."""
         nb = len(flats)
         by_slot = self.layout.unpack_leaves([[f] for f in flats], range(nb), dtype, rows=True)
         return jax.tree.unflatten(self.layout.treedef, [by_slot[i] for i in range(len(by_slot))])
@@ -146,14 +177,15 @@ def unit_flat(
 ) -> UnitFlat:
     """The :class:`UnitFlat` of a unit's params (``{dotted name: shape}``), fp32,
     one buffer per label (``key`` with each param's label); ``stacked``: the
-    unit's name when it is a stacked group."""
+    unit's name when it is a stacked group, whose params each get a buffer of
+    their own (:attr:`UnitFlat.per_leaf`)."""
     sub = {n: jax.ShapeDtypeStruct(s, jnp.float32) for n, s in shapes.items()}
     by_path = {jax.tree_util.keystr((jax.tree_util.DictKey(n),)): n for n in shapes}
-    layout = build_layout(
-        sub,
-        num_shards=num_shards,
-        key_fn=lambda p, _x: key._replace(label=labels[by_path[p]] if labels else None),
-        stacked=stacked,
-    )
+
+    def key_fn(path: str, _leaf: Any) -> BufferKey:
+        name = by_path[path]
+        return key._replace(label=labels[name] if labels else None, part=name if stacked else None)
+
+    layout = build_layout(sub, num_shards=num_shards, key_fn=key_fn, stacked=stacked)
     order = tuple(param_name(p) for p, _ in jax.tree_util.tree_flatten_with_path(sub)[0])
     return UnitFlat(layout, num_shards, order)

@@ -10,10 +10,13 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from ..core.names import param_name
 from ..sync.tap_rules import WHOLE_STACK
-from ..sync.views import NOT_TAPPED
+from ..sync.views import GATHERED, NOT_TAPPED
+from .gather import cast_floats
 
 PyTree = Any
 # The jaxsync.FullyShard whose method calls this: passed in, not imported (fsdp.py
@@ -74,3 +77,45 @@ def view(fs: FullyShardT, shards: dict[str, Any], gathered: dict[str, Any], stac
         is_leaf=lambda path, _: param_name(path) in stacked,
         is_leaf_takes_path=True,
     )
+
+
+def gather_layer(fs: FullyShardT, shard: jax.Array, unit: str) -> PyTree:
+    """One layer of stacked ``unit``, gathered param by param straight into each
+    param's array (:func:`.gather.gather_pieces`), shaped like the group's subtree;
+    the backward reduce-scatters the layer's gradient inside the backward scan."""
+    flat = fs.unit_flat(unit)
+    rows = fs._gather_flat(shard, "FullyShard.gather_layer", flat.widths)
+    # Named, so a remat policy can keep gathered layers (save_only_these_names)
+    # when memory allows, instead of gathering them again in the backward.
+    rows = [checkpoint_name(r, GATHERED) for r in rows]
+    named = flat.unflatten_row(rows, fs.policy.param_dtype)
+    treedef, names = fs._groups[unit]
+    return jax.tree.unflatten(treedef, [named[n] for n in names])
+
+
+def layer_bytes(fs: FullyShardT, stacked: Any) -> int:
+    """Bytes of the largest layer of the ``stacked`` units, gathered (0 without
+    one): the bound for XLA's combining of one layer's all-gathers into one."""
+    item = jnp.dtype(fs.policy.param_dtype).itemsize
+    sizes = [sum(b.size for b in fs.layout(u).buffers) for u in stacked]
+    return item * max(sizes, default=0)
+
+
+def apply(fs: FullyShardT, shards: dict[str, Any], unit: str, fn: Any, *inputs: Any) -> Any:
+    """:meth:`FullyShard.apply`: ``fn(unit_params, *inputs)``, the unit gathered just
+    before use (again in the backward when it reshards after the forward)."""
+    if fs.policy.cast_forward_inputs:
+        inputs = cast_floats(inputs, fs.policy.param_dtype)
+
+    def run(shard: Any, *inputs: Any) -> Any:
+        full = shard if isinstance(shard, dict) else fs.gather({unit: shard}, unit)
+        return fn(full, *inputs)
+
+    if fs.reshard_after_forward and not isinstance(shards[unit], dict):
+        # Gathered params are never a dot's output, so this policy re-gathers
+        # them. jax.checkpoint's optimization barriers are JAX's documented way
+        # to keep XLA from merging the backward gather into the forward one; on
+        # XLA:CPU we saw the pair merged anyway (not checked on GPU here).
+        run = jax.checkpoint(run, policy=fs.remat_policy)
+    out = run(shards[unit], *inputs)
+    return cast_floats(out, fs.policy.output_dtype)

@@ -200,6 +200,12 @@ def _build(
             keys.append(key)
             members[key] = []
         members[key].append(i)
+    # Buffers that differ only in their part (one param each) lie side by side, so
+    # the buffers of one label form one range of a rank's shard.
+    first = {}
+    for k in keys:
+        first.setdefault(k._replace(part=None), len(first))
+    keys.sort(key=lambda k: first[k._replace(part=None)])
 
     slots: list[ParamSlot | None] = [None] * len(specs)
     buffers = []

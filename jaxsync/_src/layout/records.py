@@ -39,6 +39,9 @@ class BufferKey(NamedTuple):
       owned: None for a flat-sharded buffer; else the cost model of whole-matrix
         ownership (see :func:`jaxsync.whole_matrices`): each param, or each layer
         of a stacked param, lies whole in the shard of the rank that owns it.
+      part: None, or a name that keeps the param in a buffer of its own (FSDP's
+        stacked layers: each rank holds a piece of every leaf, so each leaf is
+        gathered whole, straight into its own array, with no unpacking copy).
     """
 
     dtype: str
@@ -49,6 +52,7 @@ class BufferKey(NamedTuple):
     varying: tuple[str, ...] = ()
     stack: str | None = None
     owned: Any = None
+    part: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)

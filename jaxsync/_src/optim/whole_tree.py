@@ -102,16 +102,19 @@ def routes(fs: Any, layout: Layout) -> Routes:
     leaf_of = {name: i for i, name in enumerate(fs.param_names)}
     for u in fs.units:
         flat = fs.unit_flat(u)
-        k = flat.shard_size
+        # Each buffer's part of a rank's shard: rank src holds [src * k, (src + 1) * k)
+        # of the buffer, at column ``at`` of its shard (a stacked unit: a buffer per param).
+        ats = [sum(flat.widths[:bi]) for bi in range(len(flat.widths))]
         for slot in flat.layout.slots:
             i = leaf_of[flat.names[slot.leaf_index]]
             d, off = divmod(layout.slots[i].start, piece)
             where[i] = (d, off, slot.size)
+            k, at = flat.widths[slot.buffer], ats[slot.buffer]
             for src in range(n):
                 j0, j1 = max(0, src * k - slot.start), min(slot.size, (src + 1) * k - slot.start)
                 if j1 > j0:
                     rows = max(slot.layers, 1)
-                    col = slot.start + j0 - src * k
+                    col = at + slot.start + j0 - src * k
                     blocks.append(Block(i, u, src, d, j0, j1, col, fill[src][d], rows))
                     fill[src][d] += rows * (j1 - j0)
     width = max(max(max(f) for f in fill), 1)

@@ -34,6 +34,7 @@ from ..sync.collectives import gather_params
 
 PyTree = Any
 
+
 def held_groups(tx: Any, params: PyTree, mesh: Mesh, mode: Any, stacked: Sequence[str]) -> tuple:
     """The stacked groups a 1-D ZeRO step can hold as master shards: all of them, when
     every leaf of every group lies in an elementwise stacked buffer and no finalize

@@ -289,7 +289,10 @@ class TrainStep:
             )  # fmt: skip
             return jax.jit(
                 body, donate_argnums=donate,
-                compiler_options=step_compiler_options(self.mode.name, two_d=False),
+                compiler_options=step_compiler_options(
+                    self.mode.name, two_d=False,
+                    layer_bytes=plan.fs.layer_bytes() if plan.fs is not None else 0,
+                ),
             )  # fmt: skip
         # Manual over the data axes (and any axis no param uses); the compiler
         # partitions the rest, and the jit pins the state's whole shardings.
