@@ -357,9 +357,13 @@ def test_xla_flags_keep_the_users_pipelining_choice(monkeypatch):
     assert step_compiler_options("fsdp", two_d=False) == apart
     monkeypatch.setenv("XLA_FLAGS", f"--{REDUCE_SCATTER_COMBINE}=1048576")
     assert REDUCE_SCATTER_COMBINE not in step_compiler_options("fsdp", two_d=False)
-    # FSDP combines a stacked layer's all-gathers up to its largest gathered layer
-    assert step_compiler_options("fsdp", two_d=False, layer_bytes=5000)[ALL_GATHER_COMBINE] == 5000
-    assert ALL_GATHER_COMBINE not in step_compiler_options("zero", two_d=False, layer_bytes=5000)
+    # FSDP and ZeRO combine a stacked layer's all-gathers up to their largest layer
+    for mode in ("fsdp", "zero"):
+        assert (
+            step_compiler_options(mode, two_d=False, layer_bytes=5000)[ALL_GATHER_COMBINE] == 5000
+        )
+    assert ALL_GATHER_COMBINE not in step_compiler_options("ddp", two_d=False, layer_bytes=5000)
+    assert ALL_GATHER_COMBINE not in step_compiler_options("zero", two_d=False)
     monkeypatch.setenv("XLA_FLAGS", f"--{ALL_GATHER_COMBINE}=1048576")
     assert ALL_GATHER_COMBINE not in step_compiler_options("fsdp", two_d=False, layer_bytes=5000)
     monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_pipelined_reduce_scatter")
@@ -400,12 +404,14 @@ def test_fsdp_keeps_its_units_reduce_scatters_apart():
 
 
 @needs_plugin
-def test_fsdp_gathers_a_layer_param_by_param_combined_into_one_all_gather():
-    """A stacked FSDP layer is gathered param by param, each straight into its own
-    array (no slice of a gathered row to copy out); the step sets XLA's all-gather
-    combining to its largest layer (xla_options.ALL_GATHER_COMBINE), so one layer's
-    gathers still run as one collective. Here the layer is 64 MiB in bf16, past a
-    30 MiB threshold, under which its params go apart."""
+@pytest.mark.parametrize("mode", ["fsdp", "zero"])
+def test_a_layer_is_gathered_param_by_param_combined_into_one_all_gather(mode):
+    """A stacked layer gathered in the forward (FSDP; ZeRO's held groups) is gathered
+    param by param, each straight into its own array (no slice of a gathered row to
+    copy out); the step sets XLA's all-gather combining to its largest layer
+    (xla_options.ALL_GATHER_COMBINE), so one layer's gathers still run as one
+    collective. Here the layer is 64 MiB in bf16, past a 30 MiB threshold, under which
+    its params go apart."""
     from jaxsync._src.step.xla_options import ALL_GATHER_COMBINE
 
     d, bf = 2048, jnp.bfloat16
@@ -418,16 +424,16 @@ def test_fsdp_gathers_a_layer_param_by_param_combined_into_one_all_gather():
         },
     }
     mesh = jaxsync.gpu_topology("h100")
-    step = jaxsync.train_step(_stack_loss, optax.adamw(1e-3), mesh, mode="fsdp", stacked="blocks")
+    step = jaxsync.train_step(_stack_loss, optax.adamw(1e-3), mesh, mode=mode, stacked="blocks")
     state = step.abstract_state(params)
     lowered = step.lower(state, jax.ShapeDtypeStruct((8 * 64, d), jnp.float32))
-    assert step.fully_shard(state).layer_bytes() == 2 * (2 * d * 4 * d + d)
+    assert step._layer_bytes(step._plan(state, "test")) == 2 * (2 * d * 4 * d + d)
 
     def gathers(options):  # the result shapes of each all-gather of a layer's params
         text = lowered.compile(compiler_options=options).as_text()
         sites = jaxsync.overlap_report(text).collectives
-        embed = (f"bf16[{d * d}]",)
-        return [c.shapes for c in sites if c.kind == "all-gather" and c.shapes != embed]
+        big = f"bf16[{d * 4 * d}]"
+        return [c.shapes for c in sites if c.kind == "all-gather" and big in c.shapes]
 
     layer = ("bf16[2048]", f"bf16[{d * 4 * d}]", f"bf16[{d * 4 * d}]")
     ours = gathers({})

@@ -96,32 +96,43 @@ def test_explicit_optimizer_calls_name_the_held_params(mesh8):
 def test_each_layer_is_gathered_once_per_step_unless_resharded(mesh8, reshard):
     """The forward gathers each layer; the backward gathers again only with
     ``reshard_after_forward`` (the remat policy keeps the gathered layer otherwise).
-    Counted in the compiled CPU step: one stacked buffer, so one all-gather per layer
-    per pass, each inside a loop that runs LAYERS times."""
+    Counted in the compiled CPU step, each inside a loop that runs LAYERS times: held,
+    a buffer per stacked param, so one all-gather per param in the forward (XLA's GPU
+    pipeline combines them); resharded, one stacked buffer gathered in both passes."""
     batches = scanned_batches(jax.random.key(1), steps=1, batch=16)
     step, state = _train(mesh8, optax.adam(1e-3), jaxsync.ZeRO(reshard_after_forward=reshard),
                          batches)  # fmt: skip
     compiled = step.lower(state, (batches[0][0], batches[1][0])).compile()
     loops = jaxsync.overlap_report(compiled).in_loop(kind="all-gather")
     assert {c.trip_count for c in loops} == {LAYERS}
-    assert len(loops) == (2 if reshard else 1)
+    layout = step.optimizer(state).layout(step.params(state), mesh8)
+    stacked = [b for b in layout.buffers if b.key.stack == "blocks"]
+    per_layer = len(scanned_params(jax.random.key(0))["blocks"])
+    assert len(stacked) == (1 if reshard else per_layer)  # a buffer per param when held
+    assert {c.loop_role for c in loops} == ({"forward", "backward"} if reshard else {"forward"})
+    assert len(loops) == (2 if reshard else per_layer)
     # and no gather of the stack after the update: the only other all-gathers are
     # the unstacked buffers' (one per buffer, outside any loop)
     outside = count_collectives(compiled.as_text()).get("all-gather", 0) - len(loops)
-    assert outside == len(step.optimizer(state).layout(step.params(state), mesh8).buffers) - 1
+    assert outside == len(layout.buffers) - len(stacked)
 
 
-def test_a_held_state_checkpoint_continues_at_another_dp_size(mesh8, tmp_path):
-    """Saved at 8 devices (the stack in the master shards), restored at 4: the same
-    params and master, the marker in place, and the next steps equal a run that
-    never stopped (single-device optax)."""
+@pytest.mark.parametrize("opt", ["sgd", "adam"])
+@pytest.mark.parametrize("later", ["zero", "reshard"])
+def test_a_held_state_checkpoint_continues_at_another_dp_size(mesh8, tmp_path, opt, later):
+    """Saved at 8 devices (the stack in the master shards, a buffer per stacked param),
+    restored at 4, also into a step that gathers again in the backward (one stacked
+    buffer): the same params and master, the marker in place, and the next steps
+    equal a run that never stopped (single-device optax, Adam's moments included)."""
+    tx = {"sgd": optax.sgd(0.1), "adam": optax.adam(1e-2)}[opt]
     batches = scanned_batches(jax.random.key(1), steps=3, batch=32)
     xs, ys = batches
-    step8, state = _train(mesh8, optax.sgd(0.1), "zero", (xs[:2], ys[:2]))
+    step8, state = _train(mesh8, tx, "zero", (xs[:2], ys[:2]))
     with jaxsync.Checkpointer(tmp_path) as ckpt:
         ckpt.save_state(step8, state)
     mesh4 = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4])
-    step4 = jaxsync.train_step(scanned_loss, optax.sgd(0.1), mesh4, "zero", stacked="blocks")
+    mode = "zero" if later == "zero" else jaxsync.ZeRO(reshard_after_forward=True)
+    step4 = jaxsync.train_step(scanned_loss, tx, mesh4, mode, stacked="blocks")
     with jaxsync.Checkpointer(tmp_path) as ckpt:
         new = ckpt.restore_state(step4, step4.init(scanned_params(jax.random.key(0)))).state
     assert isinstance(new.params["blocks"], HeldLayers)
@@ -129,8 +140,7 @@ def test_a_held_state_checkpoint_continues_at_another_dp_size(mesh8, tmp_path):
                     strict=True):  # fmt: skip
         np.testing.assert_array_equal(a, b)
     new, _ = step4(new, (xs[2], ys[2]))
-    want, _ = run_reference(optax.sgd(0.1), scanned_params(jax.random.key(0)), batches,
-                            loss_fn=scanned_loss)  # fmt: skip
+    want, _ = run_reference(tx, scanned_params(jax.random.key(0)), batches, loss_fn=scanned_loss)
     _assert_close(step4.params(new), want)
 
 

@@ -75,6 +75,9 @@ class Plan:
         self.norms = norms  # update and param norms in the metrics (optim.logged)
         self.rate = False  # a learning rate in the metrics: set by jaxsync.train_step
         self.unit_prints = False  # units' gradient fingerprints: set by jaxsync.train_step
+        # A buffer per stacked param, for a step that gathers its stacked layers in the
+        # forward (each param then straight into its own array): set by jaxsync.train_step.
+        self.split_stacks = False
         self.rules = rules
         self.stacked = stacked
         self.inner = inner
@@ -135,6 +138,10 @@ class Plan:
                 raise ValueError(OWNED_VARYING.format(path=path, shape=leaf.shape, axes=var))
             if owned is not None and muon_label(lab) and not self.transform_of(lab).tree:
                 self._check_matrix(dotted, tuple(leaf.shape))
+            # With split_stacks a stacked param lies in a buffer of its own: a layer
+            # gathered in the forward (a held group) then gathers each param straight
+            # into its own array, with no copy of it cut out of a gathered bucket.
+            stacked = self.split_stacks and owned is None and group_of(dotted, self.stacked)
             return BufferKey(
                 jnp.dtype(leaf.dtype).name,
                 sync.dp_axes,
@@ -143,6 +150,7 @@ class Plan:
                 sync.mean_axes,
                 var,
                 owned=owned,
+                part=dotted if stacked else None,
             )
 
         return build_layout(

@@ -340,6 +340,17 @@ def from_portable(
     return convert(fn, (portable,), mesh, shardings, key=key)
 
 
+def _merged(a: Any, b: Any) -> Any:
+    """Two buffers' portable states of one structure: ``{param: array}`` dicts united,
+    anything else (step counts, equal in both) taken from ``a``."""
+    is_named = lambda x: isinstance(x, dict) and bool(x)  # noqa: E731
+    leaves_a, treedef = jax.tree.flatten(a, is_leaf=is_named)
+    leaves_b = treedef.flatten_up_to(b)
+    return treedef.unflatten(
+        [{**x, **y} if is_named(x) else x for x, y in zip(leaves_a, leaves_b, strict=True)]
+    )
+
+
 def portable_fn(plan: Any, params: PyTree, mesh: Mesh) -> tuple[Any, Any, Any]:
     """(fn: global state -> portable dict, its output shardings, abstract global state)."""
     layout, local, pspecs = plan.layout_outside(params, mesh)
@@ -365,12 +376,17 @@ def portable_fn(plan: Any, params: PyTree, mesh: Mesh) -> tuple[Any, Any, Any]:
                     layout, bi, owned, state.inner_state[bi], names
                 )
                 continue
-            inner[buffer_name(layout, bi)] = jax.tree.map(
+            mine = jax.tree.map(
                 lambda s, x, bi=bi: to_params(bi, x) if s != P() else x,
                 specs.inner_state[bi],
                 state.inner_state[bi],
                 is_leaf=lambda x: isinstance(x, P),
             )
+            name = buffer_name(layout, bi)
+            # Buffers that differ only in their part (a buffer per stacked param) save
+            # as one: their per-param entries together, their counts (equal) once. So
+            # the form does not depend on how a step splits its buffers.
+            inner[name] = mine if name not in inner else _merged(inner[name], mine)
         return {
             "master": master,
             "inner_state": inner,

@@ -63,6 +63,9 @@ def make_state(
             norms=norms_on(step.metrics),
         )  # fmt: skip
         tx._config.unit_prints = prints_of(step)  # before init: its metrics hold them
+        # The forward gathers the stacked layers (step.held) unless they are gathered
+        # again in the backward: a buffer per param then saves a copy of each layer.
+        tx._config.split_stacks = not mode.reshard_after_forward
         opt_state = tx.sharded_init(params, mesh)
         if records_rate(step.metrics, opt_state):  # the rate lives beside ZeRO's norms
             tx._config.rate = True

@@ -77,9 +77,12 @@ def tag_of(step: Any) -> np.ndarray:
         mode.name, step.axis_name, step.stacked, labels,
         getattr(mode, "bucket_size", None), getattr(mode, "units", None),
     )  # fmt: skip
-    if mode.name == "fsdp" and step.stacked:
-        # Since 2026-11 a stacked unit's shard holds a piece of every param (it was a
-        # slice of the layer's flat row): the same shapes, in another order.
+    if step.stacked and (
+        mode.name == "fsdp" or (mode.name == "zero" and not mode.reshard_after_forward)
+    ):
+        # Since 2026-11 a stacked FSDP unit's shard holds a piece of every param (it was
+        # a slice of the layer's flat row), and ZeRO keeps a buffer per stacked param:
+        # the same shapes, in another order.
         options += ("stacked: a piece of every param",)
     crc = zlib.crc32(repr(_stable(options)).encode()) & 0x7FFFFFFF
     return np.array([n, crc], np.int32)

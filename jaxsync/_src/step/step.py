@@ -48,6 +48,7 @@ from .checks import (
     check_state_alive,
     check_state_mesh,
 )
+from .held import layer_bytes as held_layer_bytes
 from .held import whole_params
 from .make import distinct, make_state, replicated_copy
 from .models import linen
@@ -268,6 +269,14 @@ class TrainStep:
         check_tag(self, state, fn)  # a state cut for another layout (plain orbax restore)
         return plan
 
+    def _layer_bytes(self, plan: Plan) -> int:
+        """The largest layer the step gathers in its loops (FSDP, ZeRO's held groups)."""
+        if plan.fs is not None:
+            return plan.fs.layer_bytes()
+        if plan.held:
+            return held_layer_bytes(plan.tx.layout(plan.template, self.mesh), plan.held)
+        return 0
+
     def _build(self, plan: Plan, kind: KeyKind | None = None) -> Callable[..., Any]:
         """The jitted step ``fn(state, batch)``; with ``kind``, ``fn(state, batch, key
         data)`` (the step's key, replicated: :mod:`rng` folds each piece's)."""
@@ -290,8 +299,7 @@ class TrainStep:
             return jax.jit(
                 body, donate_argnums=donate,
                 compiler_options=step_compiler_options(
-                    self.mode.name, two_d=False,
-                    layer_bytes=plan.fs.layer_bytes() if plan.fs is not None else 0,
+                    self.mode.name, two_d=False, layer_bytes=self._layer_bytes(plan)
                 ),
             )  # fmt: skip
         # Manual over the data axes (and any axis no param uses); the compiler

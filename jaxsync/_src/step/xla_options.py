@@ -82,10 +82,10 @@ def step_compiler_options(mode: str, two_d: bool, layer_bytes: int = 0) -> dict[
         wanted[DOUBLE_BUFFERING] = True
         if mode in ("fsdp", "zero"):
             wanted |= pipelined("all_gather", True)
+        if mode in ("fsdp", "zero") and layer_bytes:
+            wanted[ALL_GATHER_COMBINE] = layer_bytes
         if mode == "fsdp":
             wanted[REDUCE_SCATTER_COMBINE] = 1
-            if layer_bytes:
-                wanted[ALL_GATHER_COMBINE] = layer_bytes
         if mode == "ddp":
             wanted |= pipelined("all_reduce", True)
     return {k: v for k, v in wanted.items() if not set_by_user(k)}
