@@ -137,11 +137,13 @@ def test_a_checkpoint_without_the_tag_is_named(tmp_path):
     step8(restored, batch())
 
 
-def test_a_stacked_fsdp_state_cut_as_layer_rows_is_refused():
-    """Before 2026-11 a stacked FSDP unit's shard was a slice of each layer's flat row;
-    now it is a piece of every param (gathered param by param). A state saved then with
-    plain orbax has the same shapes in another order: its tag, the old fingerprint of
-    the same options, is refused by name."""
+@pytest.mark.parametrize("mode", ["fsdp", "zero"])
+def test_a_stacked_state_cut_as_layer_rows_is_refused(mode):
+    """Before 2026-11 a stacked FSDP unit's shard was a slice of each layer's flat row,
+    and ZeRO's stacked group one buffer; now a piece of every param, and a buffer per
+    param (each gathered straight into its array). A state saved then with plain orbax
+    has the same shapes in another order: its tag, the old fingerprint of the same
+    options, is refused by name."""
     import zlib
 
     from helpers import scanned_batches, scanned_loss, scanned_params
@@ -151,10 +153,12 @@ def test_a_stacked_fsdp_state_cut_as_layer_rows_is_refused():
     from jaxsync._src.step.shard_tag import _stable
 
     mesh = Mesh(np.array(jax.devices()[:8]), ("data",))
-    step = jaxsync.train_step(scanned_loss, optax.sgd(0.1), mesh, "fsdp", stacked="blocks")
+    step = jaxsync.train_step(scanned_loss, optax.sgd(0.1), mesh, mode, stacked="blocks")
     state = step.init(scanned_params(jax.random.key(0)))
     xs, ys = scanned_batches(jax.random.key(1), 1, 16)
-    before = (step.mode.name, step.axis_name, step.stacked, None, None, step.mode.units)
+    m = step.mode
+    before = (m.name, step.axis_name, step.stacked, None, getattr(m, "bucket_size", None),
+              getattr(m, "units", None))  # fmt: skip
     old = np.array([8, zlib.crc32(repr(_stable(before)).encode()) & 0x7FFFFFFF], np.int32)
     assert not np.array_equal(old, np.asarray(state.layout))
     stale = state._replace(layout=jax.device_put(old, NamedSharding(mesh, P())))

@@ -98,6 +98,13 @@ def held_buffers(layout: Layout, groups: Sequence[str]) -> frozenset[int]:
     return frozenset(bi for g in groups for bi in stacks[g])
 
 
+def split_stacks(mode: Any, n: int) -> bool:
+    """Whether a 1-D ZeRO step on ``n`` data-parallel devices keeps a buffer per
+    stacked param: when its forward gathers the layers (not resharded) from more than
+    one device, each param is then gathered straight into its own array."""
+    return mode.name == "zero" and not mode.reshard_after_forward and n > 1
+
+
 def layer_bytes(layout: Layout, groups: Sequence[str]) -> int:
     """Bytes of the largest layer of the held ``groups``, gathered in its params'
     dtypes (0 without one): the bound for XLA's combining of one layer's all-gathers

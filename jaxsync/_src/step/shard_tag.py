@@ -31,6 +31,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ..core.axes import mesh_axes_size
+from .held import split_stacks
 
 WRONG_LAYOUT = (
     "{fn}: this state's flat shards were cut for {saved}, and this step's for {now} "
@@ -77,9 +78,7 @@ def tag_of(step: Any) -> np.ndarray:
         mode.name, step.axis_name, step.stacked, labels,
         getattr(mode, "bucket_size", None), getattr(mode, "units", None),
     )  # fmt: skip
-    if step.stacked and (
-        mode.name == "fsdp" or (mode.name == "zero" and not mode.reshard_after_forward)
-    ):
+    if step.stacked and (mode.name == "fsdp" or split_stacks(mode, n)):
         # Since 2026-11 a stacked FSDP unit's shard holds a piece of every param (it was
         # a slice of the layer's flat row), and ZeRO keeps a buffer per stacked param:
         # the same shapes, in another order.
