@@ -89,37 +89,26 @@ def reduce_shard(flat: jax.Array, axes: tuple[str, ...], replicate: tuple[str, .
     return out * (1.0 / axes_size(axes + replicate))
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
 def gather_shard(
     shard: jax.Array, axes, replicate, param_dtype: str, reduce_dtype: str
 ) -> jax.Array:
-    # Gathered as device-varying (over the replica axes too): typed replicated,
-    # JAX would psum its cotangent before our backward ever saw it (the implicit
-    # all-reduce), and the replica all-reduce would happen twice.
-    full = jax.lax.all_gather(shard.astype(param_dtype), axes, axis=shard.ndim - 1, tiled=True)
-    return to_varying(full, replicate) if replicate else full
-
-
-def gather_fwd(shard, axes, replicate, param_dtype, reduce_dtype):
-    # The residual only carries the shard's dtype (an empty array of it).
-    return gather_shard(shard, axes, replicate, param_dtype, reduce_dtype), jnp.zeros(
-        (0,), shard.dtype
-    )
-
-
-def gather_bwd(axes, replicate, param_dtype, reduce_dtype, like, ct):
-    return (reduce_shard(ct.astype(reduce_dtype), axes, replicate).astype(like.dtype),)
-
-
-gather_shard.defvjp(gather_fwd, gather_bwd)
+    """The whole shard all-gathered in ``param_dtype`` (:func:`gather_pieces` of one
+    piece); its backward reduce-scatters the cotangent, in ``reduce_dtype``, into it."""
+    width = (shard.shape[-1],)
+    return gather_pieces(shard, width, axes, replicate, param_dtype, reduce_dtype)[0]
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4, 5))
 def gather_pieces(
     shard: jax.Array, widths: tuple[int, ...], axes, replicate, param_dtype: str, reduce_dtype: str
 ) -> tuple[jax.Array, ...]:
-    """Each ``widths`` piece of ``shard`` (one layer's), all-gathered on its own, in
-    ``param_dtype``: the flat arrays of the layer's buffers."""
+    """Each ``widths`` piece of ``shard`` (a stacked layer's: one per param), all-gathered
+    on its own, in ``param_dtype``: the flat arrays of the unit's buffers.
+
+    Gathered as device-varying (over the replica axes too): typed replicated, JAX
+    would psum the cotangent before our backward ever saw it (the implicit
+    all-reduce), and the replica all-reduce would happen twice.
+    """
     out, lo = [], 0
     for w in widths:
         full = jax.lax.all_gather(
@@ -131,6 +120,7 @@ def gather_pieces(
 
 
 def pieces_fwd(shard, widths, axes, replicate, param_dtype, reduce_dtype):
+    # The residual only carries the shard's dtype (an empty array of it).
     out = gather_pieces(shard, widths, axes, replicate, param_dtype, reduce_dtype)
     return out, jnp.zeros((0,), shard.dtype)
 

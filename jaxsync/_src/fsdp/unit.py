@@ -115,12 +115,6 @@ class UnitFlat:
         """Inverse of :meth:`flatten` (a gathered unit, or the global shards)."""
         return self.layout.unflatten(self.to_buffers(x), dtype)
 
-    @property
-    def per_leaf(self) -> bool:
-        """Whether each param has a buffer of its own (a stacked unit): a rank's shard
-        is then a piece of every param, gathered param by param."""
-        return all(b.key.part is not None for b in self.layout.buffers)
-
     def unflatten_row(self, flats: Sequence[jax.Array], dtype: Any) -> dict[str, jax.Array]:
         """One layer of a stacked unit from its buffers' gathered rows (one flat
         array per buffer, as :func:`.gather.gather_pieces` returns them):
@@ -178,7 +172,8 @@ def unit_flat(
     """The :class:`UnitFlat` of a unit's params (``{dotted name: shape}``), fp32,
     one buffer per label (``key`` with each param's label); ``stacked``: the
     unit's name when it is a stacked group, whose params each get a buffer of
-    their own (:attr:`UnitFlat.per_leaf`)."""
+    their own (a rank's shard is then a piece of every param, gathered param by
+    param: :func:`.gather.gather_pieces`)."""
     sub = {n: jax.ShapeDtypeStruct(s, jnp.float32) for n, s in shapes.items()}
     by_path = {jax.tree_util.keystr((jax.tree_util.DictKey(n),)): n for n in shapes}
 

@@ -42,7 +42,7 @@ def keep_gathered(closed: Any, groups: Collection[str]) -> Any:
 def keep_fsdp_gathered(closed: Any) -> Any:
     """The same for FSDP's gathers (``FullyShard(reshard_after_forward=False)``):
     every remat around a unit's gather keeps the gathered params."""
-    return keep_around(closed, lambda eqn: custom_name(eqn) in FSDP_GATHER)
+    return keep_around(closed, lambda eqn: custom_name(eqn) == FSDP_GATHER)
 
 
 def keep_around(closed: Any, gathers: Callable[[Any], bool]) -> Any:

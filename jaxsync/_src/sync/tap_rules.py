@@ -186,7 +186,7 @@ def check_taps(jaxpr: Any, groups: Sequence[str], axes: Sequence[str], accumulat
             raise ValueError(TWICE.format(group=g, count=use.count))
 
 
-FSDP_GATHER = ("gather_shard", "gather_pieces")  # fsdp.gather's custom_vjps
+FSDP_GATHER = "gather_pieces"  # fsdp.gather.gather_pieces's custom_vjp
 
 GATHER_UNDER_COND = (
     "FSDP gathers a unit inside a `lax.cond`/`lax.switch` branch whose predicate differs "
@@ -199,7 +199,7 @@ GATHER_UNDER_COND = (
 
 def _gathers(jaxpr: Any) -> bool:
     for eqn in jaxpr.eqns:
-        if custom_name(eqn) in FSDP_GATHER and (eqn.invars or eqn.outvars):
+        if custom_name(eqn) == FSDP_GATHER and (eqn.invars or eqn.outvars):
             return True
         if any(_gathers(sub) for sub in _subjaxprs(eqn)):
             return True
