@@ -194,18 +194,20 @@ def test_plain_value_and_grad_syncs_after_the_loop(mesh8):
 
 
 # -------------------------------------------------------------------- FSDP
-def _train_fsdp(mesh, params, batches, microbatches=1, reshard=True):
+def _train_fsdp(mesh, params, batches, microbatches=1, reshard=True, replicate=None):
     inner = _inner()
+    axis = "data" if replicate is None else "shard"
     fs = jaxsync.fully_shard(
-        params, axis_name="data", units=["inp", "head"], mesh=mesh, stacked="blocks",
-        reshard_after_forward=reshard,
+        params, axis_name=axis, units=["inp", "head"], mesh=mesh, stacked="blocks",
+        reshard_after_forward=reshard, replicate_axis=replicate,
     )  # fmt: skip
+    rows = P(tuple(mesh.axis_names))
     shards = fs.shard(params, mesh)
     state, state_specs = fs.init_optimizer(inner, shards, mesh)
     specs = fs.specs()
 
     @jax.jit
-    @partial(jax.shard_map, mesh=mesh, in_specs=(specs, state_specs, P("data")),
+    @partial(jax.shard_map, mesh=mesh, in_specs=(specs, state_specs, rows),
              out_specs=(specs, state_specs))  # fmt: skip
     def step(shards, state, batch):
         loss_fn = lambda s, b: scanned_loss(fs.view(s), b)  # noqa: E731
@@ -215,9 +217,22 @@ def _train_fsdp(mesh, params, batches, microbatches=1, reshard=True):
 
     xs, ys = batches
     for i in range(xs.shape[0]):
-        batch = jax.device_put((xs[i], ys[i]), NamedSharding(mesh, P("data")))
+        batch = jax.device_put((xs[i], ys[i]), NamedSharding(mesh, rows))
         shards, state = step(shards, state, batch)
     return fs, shards, state, step, batch
+
+
+def test_fsdp_scanned_hybrid_equals_single_device():
+    """Stacked layers under hybrid sharding: sharded over 4, replicated over 2; each
+    layer gathered param by param inside each replica group, its gradient reduced
+    there and all-reduced across the replicas."""
+    mesh = jax.make_mesh((2, 4), ("replica", "shard"))
+    params = scanned_params(jax.random.PRNGKey(0), layers=LAYERS)
+    batches = scanned_batches(jax.random.PRNGKey(1), STEPS, BATCH)
+    ref, _ = run_reference(_inner(), params, batches, loss_fn=scanned_loss)
+    fs, shards, *_ = _train_fsdp(mesh, params, batches, replicate="replica")
+    got = fs.unshard(shards, mesh)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=3e-5, atol=3e-6), ref, got)
 
 
 @pytest.mark.parametrize("reshard, microbatches", [(True, 1), (False, 1), (True, 2)])
