@@ -174,3 +174,32 @@ def test_one_device_keeps_one_stacked_buffer():
         state = step.init(scanned_params(jax.random.key(0)))
         layout = step.optimizer(state).layout(step.params(state), mesh)
         assert sum(b.key.stack == "blocks" for b in layout.buffers) == want, n
+
+
+def test_labels_on_split_stacks_train_and_move_between_sizes(mesh8, tmp_path):
+    """Labels on a held group (a buffer per param and label): each label gets its own
+    optimizer, as one-device optax.multi_transform does, and the state saved at 8
+    devices continues at 4 (each label's per-param entries merged in the portable form)."""
+    txs = {"decay": optax.adamw(1e-2, weight_decay=0.5), "no_decay": optax.adam(1e-2)}
+
+    def labels(params):
+        return jax.tree_util.tree_map_with_path(
+            lambda path, x: "decay" if x.ndim >= 3 or path[-1].key == "w" else "no_decay", params
+        )
+
+    params = scanned_params(jax.random.key(0), layers=LAYERS)
+    batches = scanned_batches(jax.random.key(1), steps=3, batch=32)
+    xs, ys = batches
+    step8, state = _train(mesh8, txs, "zero", (xs[:2], ys[:2]), labels=labels)
+    layout = step8.optimizer(state).layout(step8.params(state), mesh8)
+    assert {b.key.label for b in layout.buffers if b.key.stack} == {"decay", "no_decay"}
+    with jaxsync.Checkpointer(tmp_path) as ckpt:
+        ckpt.save_state(step8, state)
+    mesh4 = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4])
+    step4 = jaxsync.train_step(scanned_loss, txs, mesh4, "zero", stacked="blocks", labels=labels)
+    with jaxsync.Checkpointer(tmp_path) as ckpt:
+        new = ckpt.restore_state(step4, step4.init(params)).state
+    new, _ = step4(new, (xs[2], ys[2]))
+    want, _ = run_reference(optax.multi_transform(txs, labels), params, batches,
+                            loss_fn=scanned_loss)  # fmt: skip
+    _assert_close(step4.params(new), want)
