@@ -342,15 +342,25 @@ class _Job:
         failed first: by its first traceback where it printed one (a process that
         raises may exit after the peer whose collective then failed), else its exit."""
         failed, deadline = [ended], time.monotonic() + _SETTLE
-        while self.running() and time.monotonic() < deadline:
+        while True:
+            # While others run, wait for them; once none does, take the exits already
+            # queued (or about to be: a waiter thread puts its exit just after).
+            waiting = bool(self.running()) and time.monotonic() < deadline
             try:
-                other = self.exits.get(timeout=0.1)
+                other = self.exits.get(timeout=0.1 if waiting else 0.2)
             except queue.Empty:
-                continue
+                if waiting:
+                    continue
+                break
             self.pumps[other.rank].join(timeout=2.0)
             if other.code != 0:
                 failed.append(other)
-        return min(failed, key=lambda e: min(self.raised.get(e.rank, e.time), e.time))
+        first = min(failed, key=lambda e: min(self.raised.get(e.rank, e.time), e.time))
+        # The process the first one names (its fault record) failed before it, whatever
+        # the clock says: its traceback can reach the launcher after the peer's exit.
+        named = children.culprit(self.launch_dir, first.rank)
+        by_rank = {e.rank: e for e in failed}
+        return by_rank.get(named[0], first) if named is not None else first
 
     def _stop(self, grace: float) -> None:
         if not self.running():

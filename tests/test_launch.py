@@ -297,3 +297,30 @@ def test_a_line_repeated_at_once_is_counted_not_copied():
         "[1] a",
         "[1] b",
     ]
+
+
+def test_the_named_process_is_blamed_when_its_traceback_arrives_after_the_peers_exit(tmp_path):
+    # Staged without processes: rank 1 raised and published its fault; rank 0 read it
+    # and exited (76) before rank 1's traceback reached the launcher (seen in CI under
+    # load). The exit times say rank 0; rank 0's blame record says rank 1.
+    import json
+    import queue
+    import threading
+
+    from jaxsync._src.multihost import children
+
+    job = object.__new__(launch._Job)
+    job.launch_dir = str(tmp_path)
+    job.procs = [type("Done", (), {"poll": lambda self: 1})() for _ in range(2)]
+    job.pumps = [threading.Thread(target=lambda: None) for _ in range(2)]
+    for t in job.pumps:
+        t.start()
+    job.exits = queue.Queue()
+    t0 = time.monotonic()
+    peer, culprit = children.Exit(t0, 0, 76), children.Exit(t0 + 0.2, 1, 1)
+    job.exits.put(culprit)
+    job.raised = {1: t0 + 0.3}  # its traceback read after both exits
+    assert job._first_failure(peer).rank == 0  # the clock alone blames the peer
+    (tmp_path / "blame.0").write_text(json.dumps({"culprit": 1, "why": "rank one gives up"}))
+    job.exits.put(culprit)
+    assert job._first_failure(peer) == culprit
