@@ -50,7 +50,6 @@ from .unit import UnitFlat, assign_units, check_units, unit_flat
 from .view import ShardedLayers as ShardedLayers
 from .view import apply as _apply
 from .view import gather_layer as _gather_layer
-from .view import layer_bytes as _layer_bytes
 from .view import view as _view
 
 PyTree = Any
@@ -274,7 +273,8 @@ class FullyShard:
 
     def layer_bytes(self) -> int:
         """Bytes of the largest stacked layer, gathered (0 without one)."""
-        return _layer_bytes(self, self._layers)
+        dtype = self.policy.param_dtype
+        return max((self._flat[u].layout.layer_bytes([u], dtype) for u in self._layers), default=0)
 
     def view(self, shards: dict[str, Any]) -> PyTree:
         """The params as the model reads them, from the shards (inside shard_map).

@@ -10,7 +10,6 @@ from __future__ import annotations
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from ..core.names import param_name
@@ -91,14 +90,6 @@ def gather_layer(fs: FullyShardT, shard: jax.Array, unit: str) -> PyTree:
     named = flat.unflatten_row(rows, fs.policy.param_dtype)
     treedef, names = fs._groups[unit]
     return jax.tree.unflatten(treedef, [named[n] for n in names])
-
-
-def layer_bytes(fs: FullyShardT, stacked: Any) -> int:
-    """Bytes of the largest layer of the ``stacked`` units, gathered (0 without
-    one): the bound for XLA's combining of one layer's all-gathers into one."""
-    item = jnp.dtype(fs.policy.param_dtype).itemsize
-    sizes = [sum(b.size for b in fs.layout(u).buffers) for u in stacked]
-    return item * max(sizes, default=0)
 
 
 def apply(fs: FullyShardT, shards: dict[str, Any], unit: str, fn: Any, *inputs: Any) -> Any:

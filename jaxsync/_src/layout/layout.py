@@ -77,6 +77,17 @@ class Layout:
                 out.setdefault(buf.key.stack, []).append(bi)
         return {k: tuple(v) for k, v in out.items()}
 
+    def layer_bytes(self, groups: Any, dtype: Any = None) -> int:
+        """Bytes of one layer of the largest of the stacked ``groups``, in ``dtype``
+        (default: each buffer's own); 0 without one. A step that gathers its layers
+        lets XLA combine one layer's all-gathers up to this size."""
+        stacks = self.stacks()
+        return max(
+            (sum(self.buffers[bi].size * jnp.dtype(dtype or self.buffers[bi].key.dtype).itemsize
+                 for bi in stacks[g]) for g in groups if g in stacks),
+            default=0,
+        )  # fmt: skip
+
     # --------------------------------------------------------------- ranges
     def shard_ranges(self, rank: int) -> tuple[PieceRange, ...]:
         """Per param piece owned by ``rank``: its buffer, shard and param ranges.

@@ -105,19 +105,6 @@ def split_stacks(mode: Any, n: int) -> bool:
     return mode.name == "zero" and not mode.reshard_after_forward and n > 1
 
 
-def layer_bytes(layout: Layout, groups: Sequence[str]) -> int:
-    """Bytes of the largest layer of the held ``groups``, gathered in its params'
-    dtypes (0 without one): the bound for XLA's combining of one layer's all-gathers
-    (a buffer per param) into one."""
-    stacks = layout.stacks()
-    sizes = [
-        sum(layout.buffers[bi].size * jnp.dtype(layout.buffers[bi].key.dtype).itemsize
-            for bi in stacks[g])
-        for g in groups
-    ]  # fmt: skip
-    return max(sizes, default=0)
-
-
 def gather_held(
     layout: Layout, master: Sequence[jax.Array], axes: tuple[str, ...], params: PyTree,
     groups: Sequence[str],

@@ -48,7 +48,6 @@ from .checks import (
     check_state_alive,
     check_state_mesh,
 )
-from .held import layer_bytes as held_layer_bytes
 from .held import whole_params
 from .make import distinct, make_state, replicated_copy
 from .models import linen
@@ -274,7 +273,7 @@ class TrainStep:
         if plan.fs is not None:
             return plan.fs.layer_bytes()
         if plan.held:
-            return held_layer_bytes(plan.tx.layout(plan.template, self.mesh), plan.held)
+            return plan.tx.layout(plan.template, self.mesh).layer_bytes(plan.held)
         return 0
 
     def _build(self, plan: Plan, kind: KeyKind | None = None) -> Callable[..., Any]:
