@@ -34,7 +34,7 @@ import numpy as np
 import optax
 
 from ..core.axes import to_varying
-from ..core.validate import check_option
+from ..core.validate import check_bool, check_option
 from ..deterministic.fixed_point import exact_total
 from .state import StepMetrics
 
@@ -79,11 +79,8 @@ class TrainerMetrics:
     unit_prints: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("norms", "unit_prints"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(
-                    f"TrainerMetrics: `{name}` must be True or False, got {getattr(self, name)!r}."
-                )
+        check_bool(self.norms, "TrainerMetrics.norms")
+        check_bool(self.unit_prints, "TrainerMetrics.unit_prints")
         lr = self.learning_rate
         number = isinstance(lr, numbers.Real) and not isinstance(lr, bool)
         if lr is not None and not callable(lr) and not number:
