@@ -62,11 +62,10 @@ from jaxsync._src.gpu.schedule import compile_scheduled  # noqa: E402
 METHODS = tuple(dict.fromkeys([*bench_gpu.REFERENCE.values(), *bench_gpu.REFERENCE]))
 
 
-def config(size: str) -> tuple[model.Config, int]:
-    d, heads, layers, seq, vocab, rows = bench_gpu.SIZES[size]
-    cfg = model.Config(vocab=vocab, seq=seq, d_model=d, heads=heads, layers=layers,
-                       batch_per_device=rows)  # fmt: skip
-    return cfg, rows
+def config(name: str, size: str):
+    """``bench_gpu``'s config of the model (``gpt`` or ``llama``) at that size, and its rows."""
+    cfg = bench_gpu.MODELS[name].sizes[size]
+    return cfg, cfg.batch_per_device
 
 
 def cases(cfg, mesh, tokens) -> dict:
@@ -76,11 +75,11 @@ def cases(cfg, mesh, tokens) -> dict:
 
 def real_state(name: str, case, cfg, mesh) -> object:
     """The method's state from one set of initial params, placed as the step expects."""
-    params = model.device_params(cfg)
+    params = bench_gpu.model_of(cfg).module.device_params(cfg)
     opt = bench_gpu.clipped()
     if name.startswith("jaxsync"):  # init places it (and keys its plan by the placement)
         dtype = jax.tree.leaves(case.args[0].params)[0].dtype
-        shapes = bench_gpu.with_tp(mesh)(model.cast(params, dtype))
+        shapes = bench_gpu.with_tp(mesh, cfg)(model.cast(params, dtype))
         return case.fn.init(jax.device_put(model.cast(params, dtype),
                                            jax.tree.map(lambda x: x.sharding, shapes)))  # fmt: skip
     if name == "gspmd_zero1":
@@ -101,6 +100,48 @@ def compile_modeled(lowered, gpu: str):
     return compile_scheduled(lowered, gpu=gpu)
 
 
+def kernel_times(fn, state, batch, where: str, name: str, steps: int = 3) -> tuple[dict, object]:
+    """The GPU kernels' time per step, from a profile of ``steps`` steps: the total, and
+    the ops by HLO instruction (``hlo_op``), largest first. The whole table is written
+    to ``where/<name>.json`` (``{instruction: microseconds per step}``: what
+    ``schedule_report(kernel_times=...)`` takes, for the executable profiled)."""
+    import glob
+    import shutil
+    import tempfile
+
+    from jax._src.lib import _profile_data
+
+    state, loss = fn(state, batch)  # a warm-up outside the profile
+    jax.block_until_ready((state, loss))
+    tmp = tempfile.mkdtemp()
+    with jax.profiler.trace(tmp):
+        for _ in range(steps):
+            state, loss = fn(state, batch)
+        jax.block_until_ready((state, loss))
+    ops: dict[str, float] = {}
+    lines: dict[str, float] = {}
+    for path in glob.glob(f"{tmp}/**/*.xplane.pb", recursive=True):
+        for plane in _profile_data.ProfileData.from_file(path).planes:
+            if not plane.name.startswith("/device:GPU"):
+                continue
+            for line in plane.lines:
+                events = list(line.events)
+                lines[line.name] = lines.get(line.name, 0.0) + sum(e.duration_ns for e in events) / 1e3
+                if not line.name.startswith("Stream"):
+                    continue
+                for e in events:
+                    op = dict(e.stats).get("hlo_op", e.name)
+                    ops[str(op)] = ops.get(str(op), 0.0) + e.duration_ns / 1e3
+    shutil.rmtree(tmp, ignore_errors=True)
+    table = {k: v / steps for k, v in sorted(ops.items(), key=lambda kv: -kv[1])}
+    os.makedirs(where, exist_ok=True)
+    with open(os.path.join(where, f"{name}.json"), "w") as f:
+        json.dump(table, f)
+    return {"kernel_ms": sum(table.values()) / 1e3,
+            "lines_ms": {k: v / steps / 1e3 for k, v in lines.items()},
+            "top": list(table.items())[:25]}, state  # fmt: skip
+
+
 def time_steps(fn, state, batch, steps: int) -> tuple[float, object]:
     """Mean ms per step, best of 3 rounds of ``steps`` back-to-back steps."""
     for _ in range(2):
@@ -116,8 +157,9 @@ def time_steps(fn, state, batch, steps: int) -> tuple[float, object]:
     return best, state
 
 
-def one(name: str, size: str, steps: int, gpu: str, target: str) -> dict:
-    cfg, rows = config(size)
+def one(name: str, mname: str, size: str, steps: int, gpu: str, target: str,
+        modeled: bool = True, profile: str = "") -> dict:
+    cfg, rows = config(mname, size)
     devices = jax.devices()
     mesh = Mesh(np.asarray(devices), (bench_gpu.AXIS,))  # Auto axes, as gpu_topology's
     n = mesh.size
@@ -130,10 +172,12 @@ def one(name: str, size: str, steps: int, gpu: str, target: str) -> dict:
     state = real_state(name, case, cfg, mesh)
     out = {"method": name, "devices": n, "device": devices[0].device_kind}
 
-    t0 = time.perf_counter()
-    modeled_fn, report = compile_modeled(case.fn.lower(state, tokens), gpu)
-    out["compile_s"] = time.perf_counter() - t0
-    out["measured_ms"], state = time_steps(modeled_fn, state, tokens, steps)
+    report = None
+    if modeled:
+        t0 = time.perf_counter()
+        modeled_fn, report = compile_modeled(case.fn.lower(state, tokens), gpu)
+        out["compile_s"] = time.perf_counter() - t0
+        out["measured_ms"], state = time_steps(modeled_fn, state, tokens, steps)
     if report is not None:
         out["model_ms"] = report.step_us / 1e3
         out["makespan_ms"] = report.makespan_us / 1e3
@@ -141,8 +185,15 @@ def one(name: str, size: str, steps: int, gpu: str, target: str) -> dict:
         out["async_ops"] = sum(a.runs for a in report.async_ops)
         out["roofline_ms"] = report.roofline_us / 1e3
         out["model_mib"] = (report.memory["arguments"] + report.memory["temps"]) / 2**20
+    t0 = time.perf_counter()
     default_fn = case.fn.lower(state, tokens).compile()
+    out.setdefault("compile_s", time.perf_counter() - t0)
+    mem = default_fn.memory_analysis()
+    if mem is not None:
+        out["defaults_mib"] = (mem.argument_size_in_bytes + mem.temp_size_in_bytes) / 2**20
     out["defaults_ms"], state = time_steps(default_fn, state, tokens, steps)
+    if profile:
+        out["kernels"], state = kernel_times(default_fn, state, tokens, profile, name)
     stats = devices[0].memory_stats() or {}
     out["peak_mib"] = stats.get("peak_bytes_in_use", 0) / 2**20
     del state
@@ -162,14 +213,16 @@ def one(name: str, size: str, steps: int, gpu: str, target: str) -> dict:
 
 
 def cfg_params(cfg) -> int:
-    return sum(x.size for x in jax.tree.leaves(jax.eval_shape(lambda: model.device_params(cfg))))
+    init = bench_gpu.model_of(cfg).module.device_params
+    return sum(x.size for x in jax.tree.leaves(jax.eval_shape(lambda: init(cfg))))
 
 
 def table(rows: list[dict]) -> str:
     head = ["method", "measured ms", "model ms", "model / measured", "makespan ms",
             "makespan / measured", "repriced ms", "repriced / measured", "async ops",
             "of it roofline ms",
-            "target ms", "defaults ms", "6ND TFLOP/s", "peak MiB", "model MiB",
+            "target ms", "defaults ms", "kernels ms", "6ND TFLOP/s", "peak MiB", "model MiB",
+            "defaults MiB",
             "target MiB", "compile s"]  # fmt: skip
 
     def f(r, k, fmt="{:.2f}"):
@@ -184,45 +237,57 @@ def table(rows: list[dict]) -> str:
                      f(r, "makespan_ms"), span, f(r, "repriced_ms"), rep,
                      f(r, "async_ops", "{:d}"),
                      f(r, "roofline_ms"), f(r, "target_ms"), f(r, "defaults_ms"),
+                     f(r.get("kernels", {}), "kernel_ms"),
                      f(r, "tflops", "{:.0f}"), f(r, "peak_mib", "{:.0f}"),
-                     f(r, "model_mib", "{:.0f}"), f(r, "target_mib", "{:.0f}"),
+                     f(r, "model_mib", "{:.0f}"), f(r, "defaults_mib", "{:.0f}"),
+                     f(r, "target_mib", "{:.0f}"),
                      f(r, "compile_s", "{:.0f}")])  # fmt: skip
     return model.fmt_table(head, body, 1)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--size", choices=sorted(bench_gpu.SIZES), default="1b")
+    ap.add_argument("--model", choices=sorted(bench_gpu.MODELS), default="gpt")
+    ap.add_argument("--size", default="1b", help="gpt: quick/1b/8b; llama: quick/1b/7b")
     ap.add_argument("--quick", action="store_true", help="--size quick")
     ap.add_argument("--only", default="", help="comma-separated method names")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--gpu", default="h200", choices=sorted(jaxsync.GPUS),
                     help="the local GPU's jaxsync.GpuSpec (the roofline's peaks)")  # fmt: skip
     ap.add_argument("--target", default="h200", help="compile-only twin ('' to skip)")
+    ap.add_argument("--defaults-only", action="store_true",
+                    help="only XLA's default compile (no modeled executable, no twin)")
+    ap.add_argument("--profile", default="",
+                    help="profile the default executable; kernel tables go to this folder")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", default="", help="also write the table (markdown) here")
     args = ap.parse_args()
     size = "quick" if args.quick else args.size
     names = args.only.split(",") if args.only else list(METHODS)
     if args.child:
-        print(json.dumps(one(names[0], size, args.steps, args.gpu, args.target)), flush=True)
+        print(json.dumps(one(names[0], args.model, size, args.steps, args.gpu, args.target,
+                             not args.defaults_only, args.profile)), flush=True)  # fmt: skip
         return
     rows = []
     for name in names:  # a process each: a clean allocator peak, nothing left over
-        cmd = [sys.executable, __file__, "--child", "--size", size, "--only", name,
-               "--steps", str(args.steps), "--gpu", args.gpu, "--target", args.target]  # fmt: skip
+        cmd = [sys.executable, __file__, "--child", "--model", args.model, "--size", size,
+               "--only", name, "--steps", str(args.steps), "--gpu", args.gpu,
+               "--target", args.target, "--profile", args.profile]  # fmt: skip
+        cmd += ["--defaults-only"] if args.defaults_only else []
         res = subprocess.run(cmd, capture_output=True, text=True)
         last = (res.stdout.strip().splitlines() or [""])[-1]
         if res.returncode != 0 or not last.startswith("{"):
             print(f"{name}: failed\n{res.stderr[-3000:]}", flush=True)
             continue
         rows.append(json.loads(last))
-        print(f"  {name}: {rows[-1]['measured_ms']:.2f} ms measured "
-              f"{rows[-1].get('target_error', '')}", flush=True)  # fmt: skip
+        brief = {k: v for k, v in rows[-1].items() if k not in ("top", "kernels")}
+        brief["kernel_ms"] = rows[-1].get("kernels", {}).get("kernel_ms")
+        print(f"  {name}: {json.dumps(brief)}", flush=True)
     if not rows:
         sys.exit(1)
-    cfg, _ = config(size)
-    title = (f"{rows[0]['devices']} x {rows[0]['device']}, GPT d={cfg.d_model} L={cfg.layers} "
+    cfg, _ = config(args.model, size)
+    title = (f"{rows[0]['devices']} x {rows[0]['device']}, {bench_gpu.MODELS[args.model].name} "
+             f"d={cfg.d_model} L={cfg.layers} "
              f"seq={cfg.seq} vocab={cfg.vocab}, {cfg_params(cfg) / 1e9:.2f}B params, "
              f"{cfg.batch_per_device} rows/GPU; jax {jax.__version__}")  # fmt: skip
     text = f"{title}\n\n{table(rows)}\n"
@@ -230,6 +295,8 @@ def main() -> None:
     if args.out:
         with open(args.out, "w") as f:
             f.write(text)
+        with open(os.path.splitext(args.out)[0] + ".json", "w") as f:
+            json.dump(rows, f)
 
 
 if __name__ == "__main__":
