@@ -9,6 +9,8 @@ its update shows a gradient's scale), count the gathers of a compiled step, and 
 what ``state.params`` and ``step.params`` say.
 """
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -164,16 +166,27 @@ def test_fsdp_keeps_its_gathered_layers_unless_it_reshards(mesh8, reshard):
     assert len(loops) == len(roles) * per_layer
 
 
-def test_one_device_keeps_one_stacked_buffer():
-    """With one data-parallel device nothing is gathered, so ZeRO keeps the stacked
-    group in one buffer (a buffer per param held 1.1 GiB more of gradient stacks on
-    one H100, 0.94B GPT); from two devices on, a buffer per param."""
-    for n, want in ((1, 1), (2, len(scanned_params(jax.random.key(0))["blocks"]))):
+@pytest.mark.parametrize("opt", [optax.sgd(0.1), optax.adam(1e-2)], ids=["sgd", "adam"])
+def test_one_device_holds_nothing_and_casts_in_the_update(opt):
+    """With one data-parallel device there is nothing to gather or overlap, so ZeRO
+    holds no stacked group: the state keeps the params, each stacked param has a
+    buffer of its own, and the new param stack is that buffer cast in the update's
+    pass (no loop beside the forward's and the backward's). From two devices on the
+    group is held. Either way: single-device optax."""
+    per_param = len(scanned_params(jax.random.key(0))["blocks"])
+    batches = scanned_batches(jax.random.key(1), steps=2, batch=16)
+    want, _ = run_reference(opt, scanned_params(jax.random.key(0), layers=LAYERS), batches,
+                            loss_fn=scanned_loss)  # fmt: skip
+    for n, held in ((1, False), (2, True)):
         mesh = jax.make_mesh((n,), ("data",), devices=jax.devices()[:n])
-        step = jaxsync.train_step(scanned_loss, optax.sgd(0.1), mesh, "zero", stacked="blocks")
-        state = step.init(scanned_params(jax.random.key(0)))
+        step, state = _train(mesh, opt, "zero", batches)
+        _assert_close(step.params(state), want)
         layout = step.optimizer(state).layout(step.params(state), mesh)
-        assert sum(b.key.stack == "blocks" for b in layout.buffers) == want, n
+        assert sum(b.key.stack == "blocks" for b in layout.buffers) == per_param, n
+        assert isinstance(state.params["blocks"], HeldLayers) is held, n
+        hlo = step.lower(state, (batches[0][0], batches[1][0])).compile().as_text()
+        if n == 1:  # the forward's and the backward's loops, no gather loop
+            assert len(re.findall(r"\) while\(", hlo)) == 2
 
 
 def test_labels_on_split_stacks_train_and_move_between_sizes(mesh8, tmp_path):

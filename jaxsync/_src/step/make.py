@@ -31,7 +31,7 @@ from ..optim.master import needs_master, with_fp32_master
 from ..optim.optimizer import distributed_optimizer
 from ..optim.state import initial_metrics
 from ..optim.whole_tree import owned_tree
-from .held import held_groups, split_stacks, strip
+from .held import held_groups, holds, split_stacks, strip
 from .modes import DDP, ZeRO
 from .parts import Plan
 from .train_state import GuardState, TrainState
@@ -64,18 +64,18 @@ def make_state(
             norms=norms_on(step.metrics),
         )  # fmt: skip
         tx._config.unit_prints = prints_of(step)  # before init: its metrics hold them
-        # The forward gathers the stacked layers (step.held) unless they are gathered
-        # again in the backward: a buffer per param then saves a copy of each layer.
-        # On one device there is no gather to save (and the per-param gradient stacks
-        # held 1.1 GiB more on one H100, 0.94B GPT).
-        tx._config.split_stacks = split_stacks(mode, mesh_axes_size(mesh, axes, "train_step"))
+        # A buffer per stacked param (held.split_stacks): the forward's gathers (held
+        # groups, on more than one device) or the update's cast (one device) then
+        # land in each param's array, not in a slice copied out of a shared row.
+        n_dp = mesh_axes_size(mesh, axes, "train_step")
+        tx._config.split_stacks = split_stacks(mode, n_dp)
         opt_state = tx.sharded_init(params, mesh)
         if records_rate(step.metrics, opt_state):  # the rate lives beside ZeRO's norms
             tx._config.rate = True
             zero = jax.device_put(jnp.zeros((), jnp.float32), rep)
             opt_state = opt_state._replace(metrics=opt_state.metrics._replace(learning_rate=zero))
         opt_specs = tx.state_specs(params, mesh)
-        groups = held_groups(tx, template, mesh, mode, step.stacked)
+        groups = held_groups(tx, template, mesh, mode, step.stacked) if holds(n_dp) else ()
         held, n_flags = strip(params, groups), n_leaves
         param_specs = jax.tree.map(lambda _: P(), held)
     elif isinstance(mode, DDP):

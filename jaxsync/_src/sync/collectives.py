@@ -235,8 +235,8 @@ def _gather_last(piece: jax.Array, axes: tuple[str, ...]) -> jax.Array:
     gathering along a new major axis and moving the result into place instead held
     a second copy of the gathered params (H100 target, jax 0.10.2).
     """
-    if piece.ndim == 1:
-        return jax.lax.all_gather(piece, axes, axis=0, tiled=True, to="invarying")
+    if piece.ndim == 1 or axes_size(axes) == 1:
+        return jax.lax.all_gather(piece, axes, axis=piece.ndim - 1, tiled=True, to="invarying")
     return jax.lax.map(lambda row: _gather_last(row, axes), piece)
 
 
@@ -264,7 +264,9 @@ def gather_params(
             by_slot.update({si: old[si] for si in buf.slots})
             continue
         baxes = buffer_axes(layout, bi, axes)
-        if not buf.layers:
+        if not buf.layers or axes_size(baxes) == 1:
+            # (one device: nothing moves, and the stack is cast and unpacked in the
+            # update's own pass, not a layer at a time)
             pieces = [_gather_last(p, baxes) for p in layout.split_shard(bi, shard)]
             by_slot.update(layout.unpack_leaves([pieces], [bi]))
             continue
