@@ -92,12 +92,25 @@ def real_state(name: str, case, cfg, mesh) -> object:
     return jax.device_put(state, jax.tree.map(lambda w: w.sharding, want))
 
 
-def compile_modeled(lowered, gpu: str):
+def compile_modeled(lowered, gpu: str, dump_dir: str | None = None):
     """The executable compiled with the schedule dump on, and XLA's model of it (None
     for a program that is not a GPU one: nothing is modeled there)."""
     if jax.devices()[0].platform != "gpu":
         return lowered.compile(), None
-    return compile_scheduled(lowered, gpu=gpu)
+    return compile_scheduled(lowered, gpu=gpu, dump_dir=dump_dir)
+
+
+def calibrated(dump_dir: str, compiled, gpu: str, table: dict):
+    """XLA's schedule of the modeled executable (its dump), walked again with its
+    kernels at their measured times: the calibrated model, with no second compile."""
+    from jaxsync._src.gpu.read import read_schedule
+    from jaxsync._src.gpu.schedule import _schedule_text
+
+    text = _schedule_text(dump_dir)
+    twin = _schedule_text(os.path.join(dump_dir, "pricing_twin"))
+    if text is None:
+        text, twin = twin, None
+    return read_schedule(text, compiled.memory_analysis(), jaxsync.GPUS[gpu], twin, table)
 
 
 def kernel_times(fn, state, batch, where: str, name: str, steps: int = 3) -> tuple[dict, object]:
@@ -119,6 +132,7 @@ def kernel_times(fn, state, batch, where: str, name: str, steps: int = 3) -> tup
             state, loss = fn(state, batch)
         jax.block_until_ready((state, loss))
     ops: dict[str, float] = {}
+    launches: dict[tuple[str, str], int] = {}
     lines: dict[str, float] = {}
     for path in glob.glob(f"{tmp}/**/*.xplane.pb", recursive=True):
         for plane in _profile_data.ProfileData.from_file(path).planes:
@@ -126,20 +140,28 @@ def kernel_times(fn, state, batch, where: str, name: str, steps: int = 3) -> tup
                 continue
             for line in plane.lines:
                 events = list(line.events)
-                lines[line.name] = lines.get(line.name, 0.0) + sum(e.duration_ns for e in events) / 1e3
+                busy = sum(e.duration_ns for e in events) / 1e3
+                lines[line.name] = lines.get(line.name, 0.0) + busy
                 if not line.name.startswith("Stream"):
                     continue
                 for e in events:
-                    op = dict(e.stats).get("hlo_op", e.name)
-                    ops[str(op)] = ops.get(str(op), 0.0) + e.duration_ns / 1e3
+                    op = str(dict(e.stats).get("hlo_op", e.name))
+                    ops[op] = ops.get(op, 0.0) + e.duration_ns / 1e3
+                    launches[(op, e.name)] = launches.get((op, e.name), 0) + 1
     shutil.rmtree(tmp, ignore_errors=True)
-    table = {k: v / steps for k, v in sorted(ops.items(), key=lambda kv: -kv[1])}
+    per_step = {k: v / steps for k, v in sorted(ops.items(), key=lambda kv: -kv[1])}
+    # microseconds per run (a loop body's kernel runs once per iteration), as
+    # schedule_report's table wants them; an op of several kernels: their sum (its
+    # runs: the most launches of any one of its kernels)
+    runs = {k: 1 for k in ops}
+    for (op, _), count in launches.items():
+        runs[op] = max(runs[op], count // steps)
     os.makedirs(where, exist_ok=True)
     with open(os.path.join(where, f"{name}.json"), "w") as f:
-        json.dump(table, f)
-    return {"kernel_ms": sum(table.values()) / 1e3,
+        json.dump({k: v / runs[k] for k, v in per_step.items()}, f)
+    return {"kernel_ms": sum(per_step.values()) / 1e3,
             "lines_ms": {k: v / steps / 1e3 for k, v in lines.items()},
-            "top": list(table.items())[:25]}, state  # fmt: skip
+            "top": list(per_step.items())[:25]}, state  # fmt: skip
 
 
 def time_steps(fn, state, batch, steps: int) -> tuple[float, object]:
@@ -174,10 +196,20 @@ def one(name: str, mname: str, size: str, steps: int, gpu: str, target: str,
 
     report = None
     if modeled:
+        import tempfile
+
+        dump = tempfile.mkdtemp()
         t0 = time.perf_counter()
-        modeled_fn, report = compile_modeled(case.fn.lower(state, tokens), gpu)
+        modeled_fn, report = compile_modeled(case.fn.lower(state, tokens), gpu, dump)
         out["compile_s"] = time.perf_counter() - t0
         out["measured_ms"], state = time_steps(modeled_fn, state, tokens, steps)
+        if report is not None and profile:  # the model with the kernels' measured times
+            out["modeled_kernels"], state = kernel_times(modeled_fn, state, tokens, profile,
+                                                         f"{mname}_{name}_modeled")  # fmt: skip
+            with open(os.path.join(profile, f"{mname}_{name}_modeled.json")) as f:
+                cal = calibrated(dump, modeled_fn, gpu, json.load(f))
+            out["calibrated_ms"] = cal.repriced_us / 1e3
+            out["calibrated_share"] = cal.measured_share
     if report is not None:
         out["model_ms"] = report.step_us / 1e3
         out["makespan_ms"] = report.makespan_us / 1e3
@@ -193,7 +225,7 @@ def one(name: str, mname: str, size: str, steps: int, gpu: str, target: str,
         out["defaults_mib"] = (mem.argument_size_in_bytes + mem.temp_size_in_bytes) / 2**20
     out["defaults_ms"], state = time_steps(default_fn, state, tokens, steps)
     if profile:
-        out["kernels"], state = kernel_times(default_fn, state, tokens, profile, name)
+        out["kernels"], state = kernel_times(default_fn, state, tokens, profile, f"{mname}_{name}")
     stats = devices[0].memory_stats() or {}
     out["peak_mib"] = stats.get("peak_bytes_in_use", 0) / 2**20
     del state
@@ -219,7 +251,8 @@ def cfg_params(cfg) -> int:
 
 def table(rows: list[dict]) -> str:
     head = ["method", "measured ms", "model ms", "model / measured", "makespan ms",
-            "makespan / measured", "repriced ms", "repriced / measured", "async ops",
+            "makespan / measured", "repriced ms", "repriced / measured", "calibrated ms",
+            "calibrated / measured", "async ops",
             "of it roofline ms",
             "target ms", "defaults ms", "kernels ms", "6ND TFLOP/s", "peak MiB", "model MiB",
             "defaults MiB",
@@ -233,8 +266,11 @@ def table(rows: list[dict]) -> str:
         ratio = f"{r['model_ms'] / r['measured_ms']:.2f}" if "model_ms" in r else "-"
         span = f"{r['makespan_ms'] / r['measured_ms']:.2f}" if "makespan_ms" in r else "-"
         rep = f"{r['repriced_ms'] / r['measured_ms']:.2f}" if "repriced_ms" in r else "-"
+        cal = (f"{r['calibrated_ms'] / r['measured_ms']:.2f}" if "calibrated_ms" in r
+               else "-")  # fmt: skip
         body.append([r["method"], f(r, "measured_ms"), f(r, "model_ms"), ratio,
                      f(r, "makespan_ms"), span, f(r, "repriced_ms"), rep,
+                     f(r, "calibrated_ms"), cal,
                      f(r, "async_ops", "{:d}"),
                      f(r, "roofline_ms"), f(r, "target_ms"), f(r, "defaults_ms"),
                      f(r.get("kernels", {}), "kernel_ms"),
@@ -280,8 +316,9 @@ def main() -> None:
             print(f"{name}: failed\n{res.stderr[-3000:]}", flush=True)
             continue
         rows.append(json.loads(last))
-        brief = {k: v for k, v in rows[-1].items() if k not in ("top", "kernels")}
-        brief["kernel_ms"] = rows[-1].get("kernels", {}).get("kernel_ms")
+        brief = {k: v for k, v in rows[-1].items() if k not in ("kernels", "modeled_kernels")}
+        for k in ("kernels", "modeled_kernels"):
+            brief[k] = {a: b for a, b in rows[-1].get(k, {}).items() if a != "top"}
         print(f"  {name}: {json.dumps(brief)}", flush=True)
     if not rows:
         sys.exit(1)
