@@ -280,9 +280,10 @@ def jaxsync_cases(cfg, mesh, tokens) -> list[Case]:
     policy = jaxsync.MixedPrecision(param_dtype=BF16)
     bf16rs = jaxsync.MixedPrecision(param_dtype=BF16, reduce_dtype=BF16)
     keep = jax.checkpoint_policies.save_only_these_names("jaxsync_gathered_layer")
-    variants = [  # name, mode, param dtype, options, remat policy
-        ("jaxsync_ddp", "ddp", F32, {}, None),
-        ("jaxsync_ddp_bf16rs", "ddp", F32, {"reduce_dtype": BF16}, None),
+    variants = [  # name, mode, param dtype, options, remat policy (DDP reads its fp32
+        # params in bf16, cast once per step as the replicated baseline casts them)
+        ("jaxsync_ddp", jaxsync.DDP(param_dtype=BF16), F32, {}, None),
+        ("jaxsync_ddp_bf16rs", jaxsync.DDP(param_dtype=BF16, reduce_dtype=BF16), F32, {}, None),
         ("jaxsync_zero", "zero", BF16, {}, None),
         ("jaxsync_zero_bf16rs", "zero", BF16, {"reduce_dtype": BF16}, None),
         ("jaxsync_zero_reshard", "zero", BF16, {"reshard_after_forward": True}, None),

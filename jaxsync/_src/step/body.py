@@ -111,7 +111,7 @@ def ddp_body(cfg: Any, plan: Plan, state: TrainState, batch: Any) -> tuple[Train
     if cfg.stacked:
         sync = DataParallel(
             cfg.axis_name, bucket_size=mode.bucket_size, reduce_dtype=mode.reduce_dtype,
-            rules=mode.rules, stacked=cfg.stacked,
+            rules=mode.rules, stacked=cfg.stacked, param_dtype=mode.param_dtype,
         )  # fmt: skip
     (loss, rest), local = grads_of(cfg, plan, state, batch, sync)
     grads = local

@@ -71,11 +71,23 @@ class DDP(_Bucketed):
       deterministic: a :class:`jaxsync.Deterministic` (or True): results bitwise
         identical at every data-parallel size dividing its ``units``.
 
+      param_dtype: the dtype the loss reads the params in (None: their own). Each
+        floating param is cast once per step, before the loss, as a ``jax.jit`` step
+        that casts its fp32 params to bf16 does, instead of in every layer of the
+        forward and again in the backward. The gradients are still reduced in
+        ``reduce_dtype`` and applied to the params in their own dtype.
+
     Example:
       >>> step = jaxsync.train_step(loss_fn, optax.adam(1e-3), mesh, jaxsync.DDP(bucket_size=2**22))
     """
 
+    param_dtype: Any = None
+
     name: ClassVar[str] = "ddp"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_float_dtype(self.param_dtype, "DDP.param_dtype", allow_none=True)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,6 +19,7 @@ from ..core.cpu_order import on_cpu
 from ..core.validate import check_loss
 from ..optim.logged import TreeNorms, norms_on, rate_of, with_rate
 from ..optim.loss_scale import active_scale
+from ..sync.layer_tap import LayerStack
 from ..sync.views import is_view, trace_views
 from .models import collections
 from .models.boxes import box_constraints_on_free_axes
@@ -58,6 +59,23 @@ class LossAux(NamedTuple):
     weight: Any = None
 
 
+def compute_view(params: Any, dtype: Any) -> Any:
+    """The params as the loss reads them with ``DDP(param_dtype=...)``: each floating
+    leaf cast, once per step. A stacked group's view casts its whole stack outside the
+    layer loop; the tap still reduces each layer's gradient into sinks of the
+    reduction's dtype, so the cast never rounds a gradient."""
+    if dtype is None:
+        return params
+
+    def one(x: Any) -> Any:
+        if isinstance(x, LayerStack):
+            return LayerStack(compute_view(x.params, dtype), x.sinks, x.acc, x.spec)
+        floating = hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)
+        return x.astype(dtype) if floating else x
+
+    return jax.tree.map(one, params, is_leaf=lambda x: isinstance(x, LayerStack))
+
+
 def loss_of(cfg: Any, plan: Plan, state: TrainState, batch: Any) -> Callable[[Any, Any], Any]:
     """``(params view, microbatch) -> (scaled local loss, model state after the call)``,
     merging an NNX module if any (the model state of a pytree loss is ``{}``, or the
@@ -71,7 +89,10 @@ def loss_of(cfg: Any, plan: Plan, state: TrainState, batch: Any) -> Callable[[An
     fn = cfg.loss_fn if factor is None else cfg.loss_fn.sum_fn
     key_paths = rng_key_paths(plan.model)
 
+    dtype = getattr(cfg.mode, "param_dtype", None)
+
     def loss(params: Any, piece: Any) -> tuple[jax.Array, Any]:
+        params = compute_view(params, dtype)
         batch, pid, extra = piece_args(piece)
         with trace_views(), box_constraints_on_free_axes():
             if plan.model is None and state.model_state:  # linen collections

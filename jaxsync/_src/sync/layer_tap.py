@@ -42,7 +42,7 @@ class TapSpec:
     slots: tuple[int, ...]  # layout slot of each synced leaf of the group, in its tree order
     axes: tuple[str, ...]
     scatter: bool
-    reduce_dtype: str
+    reduce_dtype: str  # the buckets' (and sinks') dtype; "": each buffer's own
     factor: float
     # Positions (in the group's leaf order) of leaves not synced in the loop: those
     # of whole-matrix optimizers, whose gradient leaves the scan and is reduced after.
@@ -195,7 +195,7 @@ def _tap_bwd(spec: TapSpec, res: Any, ct: PyTree) -> tuple[None, Any, None]:
     by_slot: list[Any] = [None] * len(layout.slots)
     for si, leaf in zip(spec.slots, leaves, strict=True):
         by_slot[si] = leaf
-    packed = layout.pack_leaves(by_slot, spec.buffers, spec.reduce_dtype, rows=True)
+    packed = layout.pack_leaves(by_slot, spec.buffers, spec.reduce_dtype or None, rows=True)
     if acc is not None:
         packed = jax.tree.map(jnp.add, packed, acc)
     out = []

@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from ..core.axes import AxisName, bound_axes, normalize_axes, to_varying
+from ..core.axes import AxisName, axes_size, bound_axes, normalize_axes, to_varying
 from ..core.names import group_trees, in_group, param_name
 from ..layout.layout import Layout
 from ..layout.placement import build_layout, check_bucket_size, normalize_stacked
@@ -53,6 +53,10 @@ class DataParallel:
       reduce_dtype: dtype the gradients are summed in (fp32 for bf16 models).
       rules: :class:`jaxsync.SyncRules` for pipeline / tensor / expert reductions.
       stacked: dotted prefixes of stacked-layer groups (``"blocks"``).
+      param_dtype: the dtype the loss reads the params in, where the caller casts
+        them (as ``jaxsync.DDP(param_dtype=...)`` does); None: their own. On one
+        device with one microbatch, where nothing is summed, the stacked groups'
+        gradients are kept in it (exactly) until the update reads them.
     """
 
     axis_name: AxisName
@@ -60,6 +64,7 @@ class DataParallel:
     reduce_dtype: Any = jnp.float32
     rules: SyncRules | None = None
     stacked: tuple[str, ...] = ()
+    param_dtype: Any = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "axis_name", normalize_axes(self.axis_name))
@@ -124,6 +129,22 @@ def _plan(sync: Any, params: PyTree, fn: str) -> _Plan:
     return _Plan(layout, axes, True, jnp.dtype(config.reduce_dtype).name, config.rules)
 
 
+def _sink_dtypes(plan: _Plan, sync: Any, microbatches: int, first: bool) -> dict[int, str]:
+    """The dtype each buffer's in-loop gradient is handed out in: the reduction's,
+    or, on one device with one microbatch and no finalize rules (nothing is summed,
+    so nothing is rounded), the dtype it was computed in: the params' as the loss
+    reads them. That keeps one GPU's gradient stacks at the model's width (a bf16
+    model's are half the bytes to zero, write and read) and the values exact."""
+    alone = (
+        microbatches == 1 and first and plan.rules is None and axes_size(plan.axes) == 1
+    )
+    computed = getattr(sync, "param_dtype", None)
+    return {
+        bi: jnp.dtype(computed or buf.key.dtype).name if alone else plan.reduce_dtype
+        for bi, buf in enumerate(plan.layout.buffers)
+    }
+
+
 def _sink_axes(plan: _Plan, bi: int) -> tuple[str, ...]:
     key = plan.layout.buffers[bi].key
     dp = buffer_axes(plan.layout, bi, plan.axes) if plan.scatter else ()
@@ -174,6 +195,7 @@ def sync_value_and_grad(
     factor = mean_factor(plan.axes, True, None) / microbatches
     acc_leaves = None if acc is None else layout.check_tree(acc, "acc")
 
+    sink_dtype = _sink_dtypes(plan, sync, microbatches, acc is None)
     specs, sinks, accs = {}, {}, {}
     names = [param_name(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
     held = dict(held or {})
@@ -187,6 +209,7 @@ def sync_value_and_grad(
         passthrough = tuple(j for j, i in enumerate(members) if i not in slots)
         if group in held:
             _check_held(group, held[group], layout, bufs, passthrough, plan.scatter)
+        packed_in = {sink_dtype[bi] for bi in bufs}
         specs[group] = TapSpec(
             group,
             layout,
@@ -194,7 +217,7 @@ def sync_value_and_grad(
             slots,
             plan.axes,
             plan.scatter,
-            plan.reduce_dtype,
+            packed_in.pop() if len(packed_in) == 1 else "",
             factor,
             passthrough,
             subtrees.get(group),
@@ -210,7 +233,7 @@ def sync_value_and_grad(
                             (layout.buffers[bi].layers, b.size // layout.buffers[bi].num_shards)
                             if plan.scatter
                             else (layout.buffers[bi].layers, b.size),
-                            plan.reduce_dtype,
+                            sink_dtype[bi],
                         ),
                         _sink_axes(plan, bi),
                     )
@@ -289,7 +312,8 @@ def sync_value_and_grad(
             )
         )
         for bi, buckets in per_buffer.items():
-            shards[bi] = buckets[0] if len(buckets) == 1 else jnp.concatenate(buckets, axis=-1)
+            shard = buckets[0] if len(buckets) == 1 else jnp.concatenate(buckets, axis=-1)
+            shards[bi] = shard.astype(plan.reduce_dtype)  # widened where it is read
         return out, ShardedGrads(
             tuple(shards[bi] for bi in range(len(layout.buffers))),
             jnp.stack(nonfinite).astype(jnp.int32),
