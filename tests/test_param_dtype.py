@@ -126,3 +126,21 @@ def test_one_device_keeps_a_gradient_in_its_own_dtype(mode):
 def test_bad_param_dtype_is_refused_by_name():
     with pytest.raises((TypeError, ValueError), match="DDP.param_dtype"):
         jaxsync.DDP(param_dtype=jnp.int8)
+
+
+@pytest.mark.parametrize("opt", [optax.sgd(0.1), optax.adam(1e-2)], ids=["sgd", "adam"])
+def test_fsdp_on_one_device_casts_each_unit_once(opt):
+    """FSDP with a bf16 policy on one device gathers nothing: each unit's shard stack is
+    cast once, before the layer loop (the loop reads the blocks' shard stack in bf16,
+    not in fp32 cast per layer), and its gradient (one contribution) stays bf16 until
+    the update. Single-device optax on the cast params, to fp32 rounding."""
+    batches = scanned_batches(jax.random.key(1), steps=3, batch=16)
+    policy = jaxsync.MixedPrecision(param_dtype=BF16)
+    for n in (1, 2):
+        mesh = jax.make_mesh((n,), ("data",), devices=jax.devices()[:n])
+        step, state = _train(mesh, opt, jaxsync.FSDP(policy=policy), batches)
+        stack = "tensor<{}x{}xbf16>".format(*state.params.as_dict()["blocks"].shape)
+        text = step.lower(state, (batches[0][0], batches[1][0])).as_text()
+        assert (stack in text) is (n == 1), n
+        if n == 1:
+            _assert_close(step.params(state), _reference(opt, batches), rtol=2e-5, atol=2e-6)

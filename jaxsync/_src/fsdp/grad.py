@@ -14,7 +14,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ..core.axes import to_varying
+from ..core.axes import axes_size, to_varying
 from ..core.validate import check_loss
 from ..sync.remat_keep import keep_fsdp_gathered
 from ..sync.tap_rules import check_no_gather_under_cond
@@ -44,7 +44,13 @@ def value_and_grad(
     scoped = call_with_views(loss_fn, tuple(fs._layers), "FSDP's sharded layers")
     loss_fn = _checked_loss(scoped, has_aux, fs.axes, keep=not fs.reshard_after_forward)
     if microbatches == 1:
-        out, grads = jax.value_and_grad(loss_fn, has_aux=has_aux)(shards, batch)
+        narrow = _alone_dtype(fs, shards)
+        if narrow is None:
+            out, grads = jax.value_and_grad(loss_fn, has_aux=has_aux)(shards, batch)
+        else:  # cast once; each shard's gradient comes back at the model's width, exact
+            cast = jax.tree.map(lambda s: s.astype(narrow), shards)
+            out, grads = jax.value_and_grad(loss_fn, has_aux=has_aux)(cast, batch)
+            grads = jax.tree.map(lambda g, s: g.astype(s.dtype), grads, shards)
         if all_aux and has_aux:
             out = (out[0], jax.tree.map(lambda a: jnp.asarray(a)[None], out[1]))
         return out, grads
@@ -117,3 +123,16 @@ def check_microbatches(microbatches: Any, batch: Any) -> None:
                 f"batch leaf; leaf {jax.tree_util.keystr(path)} has shape "
                 f"{tuple(getattr(x, 'shape', ()))} on this device."
             )
+
+
+def _alone_dtype(fs: FullyShardT, shards: dict[str, jax.Array]) -> Any:
+    """``param_dtype`` where one device holds every shard whole and it is narrower
+    than the shards, else None. There nothing is gathered or summed, so the step
+    casts each unit once, before its layer loop, instead of in every layer of the
+    forward and again in the backward, and the gradients keep the model's width
+    (a single contribution: exact) until the update reads them."""
+    if axes_size(fs.axes + fs.replicate_axes) != 1:
+        return None
+    narrow = jnp.dtype(fs.policy.param_dtype)
+    wide = all(jnp.dtype(s.dtype).itemsize > narrow.itemsize for s in jax.tree.leaves(shards))
+    return narrow if wide else None
