@@ -133,6 +133,7 @@ def kernel_times(fn, state, batch, where: str, name: str, steps: int = 3) -> tup
         jax.block_until_ready((state, loss))
     ops: dict[str, float] = {}
     launches: dict[tuple[str, str], int] = {}
+    seen: set[str] = set()  # the stats the kernel events carry (what names the op)
     lines: dict[str, float] = {}
     for path in glob.glob(f"{tmp}/**/*.xplane.pb", recursive=True):
         for plane in _profile_data.ProfileData.from_file(path).planes:
@@ -145,7 +146,9 @@ def kernel_times(fn, state, batch, where: str, name: str, steps: int = 3) -> tup
                 if not line.name.startswith("Stream"):
                     continue
                 for e in events:
-                    op = str(dict(e.stats).get("hlo_op", e.name))
+                    stats = dict(e.stats)
+                    seen.update(list(stats)[:20])
+                    op = str(stats.get("hlo_op") or e.name)
                     ops[op] = ops.get(op, 0.0) + e.duration_ns / 1e3
                     launches[(op, e.name)] = launches.get((op, e.name), 0) + 1
     shutil.rmtree(tmp, ignore_errors=True)
@@ -161,6 +164,7 @@ def kernel_times(fn, state, batch, where: str, name: str, steps: int = 3) -> tup
         json.dump({k: v / runs[k] for k, v in per_step.items()}, f)
     return {"kernel_ms": sum(per_step.values()) / 1e3,
             "lines_ms": {k: v / steps / 1e3 for k, v in lines.items()},
+            "stats": sorted(seen), "ops": len(per_step),
             "top": list(per_step.items())[:25]}, state  # fmt: skip
 
 
