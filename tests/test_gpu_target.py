@@ -475,3 +475,21 @@ def test_a_1d_zero_step_is_double_buffered_and_both_readings_gain():
     assert ours.makespan_us <= plain.makespan_us * 1.01
     # the layer loop now runs half as many (unrolled) iterations
     assert max(c.runs for c in ours.computations) < max(c.runs for c in plain.computations)
+
+
+@needs_plugin
+@pytest.mark.parametrize("mode", ["ddp", "zero", "fsdp"])
+def test_a_one_gpu_step_keeps_xla_defaults(mode, monkeypatch):
+    """With one data-parallel device there is no collective for the step's options
+    to serve: its loops compile as plain ``jax.jit``'s do (not unrolled twice), where
+    two GPUs double-buffer them."""
+    from jaxsync._src.step.xla_options import step_compiler_options
+
+    monkeypatch.setenv("XLA_FLAGS", "")
+    assert step_compiler_options(mode, two_d=False, layer_bytes=5000, devices=1) == {}
+    for gpus, unrolled in ((1, False), (2, True)):
+        mesh = jaxsync.gpu_topology("h100", gpus_per_host=gpus)
+        step = jaxsync.train_step(_stack_loss, optax.sgd(0.1), mesh, mode=mode, stacked="blocks")
+        batch = jax.ShapeDtypeStruct((gpus * 64, D), jnp.float32)
+        hlo = step.lower(step.abstract_state(_stack_params()), batch).compile().as_text()
+        assert ("double_buffer_clone" in hlo) is unrolled, gpus

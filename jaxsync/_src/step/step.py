@@ -25,6 +25,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -298,7 +299,8 @@ class TrainStep:
             return jax.jit(
                 body, donate_argnums=donate,
                 compiler_options=step_compiler_options(
-                    self.mode.name, two_d=False, layer_bytes=self._layer_bytes(plan)
+                    self.mode.name, two_d=False, layer_bytes=self._layer_bytes(plan),
+                    devices=int(np.prod([self.mesh.shape[a] for a in axes])),
                 ),
             )  # fmt: skip
         # Manual over the data axes (and any axis no param uses); the compiler

@@ -57,10 +57,17 @@ REDUCE_SCATTER_COMBINE = "xla_gpu_reduce_scatter_combine_threshold_bytes"
 ALL_GATHER_COMBINE = "xla_gpu_all_gather_combine_threshold_bytes"
 
 
-def step_compiler_options(mode: str, two_d: bool, layer_bytes: int = 0) -> dict[str, Any]:
+def step_compiler_options(
+    mode: str, two_d: bool, layer_bytes: int = 0, devices: int = 2
+) -> dict[str, Any]:
     """The ``jax.jit(compiler_options=...)`` of a step (ignored off GPU); a flag the
     user set in ``XLA_FLAGS`` is left to them. ``layer_bytes``: FSDP's largest
-    gathered layer (:data:`ALL_GATHER_COMBINE`).
+    gathered layer (:data:`ALL_GATHER_COMBINE`). ``devices``: of a 1-D step's data
+    axes; with one there is no collective for any option to serve, and the step
+    keeps XLA's defaults, as a ``jax.jit`` step gets them. On one H200 (jax 0.11.2,
+    Llama-style 1.1B, command buffers off) each mode's kernels summed to plain
+    ``jax.jit``'s (215.8-216.1 ms) but its step ran 0.4-1.2% longer; the one
+    structural difference was the double-buffered loops (each body twice).
 
     1-D FSDP and DDP, double-buffered, also pipeline their per-layer collectives
     into the neighbouring layer (1.1B Llama-style model, 8 x H100, statistics /
@@ -76,6 +83,8 @@ def step_compiler_options(mode: str, two_d: bool, layer_bytes: int = 0) -> dict[
       the pipelined all-gather (the forward's gathers overlap the previous layer).
     """
     wanted: dict[str, Any] = {}
+    if not two_d and devices == 1:
+        return wanted
     if two_d:
         wanted |= pipelined("reduce_scatter", False)
     else:
