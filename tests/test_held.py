@@ -189,6 +189,29 @@ def test_one_device_holds_nothing_and_casts_in_the_update(opt):
             assert len(re.findall(r"\) while\(", hlo)) == 2
 
 
+@pytest.mark.parametrize(("first", "then"), [(1, 2), (2, 1)])
+def test_a_state_moves_between_one_device_and_a_held_step(tmp_path, first, then):
+    """One device holds nothing (the params in the state), two hold the stacked group
+    as master shards: Adam's state saved by either continues on the other, as
+    single-device optax."""
+    opt = optax.adam(1e-2)
+    params = scanned_params(jax.random.key(0), layers=LAYERS)
+    batches = scanned_batches(jax.random.key(1), steps=3, batch=16)
+    xs, ys = batches
+    mesh = jax.make_mesh((first,), ("data",), devices=jax.devices()[:first])
+    step, state = _train(mesh, opt, "zero", (xs[:2], ys[:2]))
+    with jaxsync.Checkpointer(tmp_path) as ckpt:
+        ckpt.save_state(step, state)
+    mesh = jax.make_mesh((then,), ("data",), devices=jax.devices()[:then])
+    step = jaxsync.train_step(scanned_loss, opt, mesh, "zero", stacked="blocks")
+    with jaxsync.Checkpointer(tmp_path) as ckpt:
+        new = ckpt.restore_state(step, step.init(params)).state
+    assert isinstance(new.params["blocks"], HeldLayers) is (then > 1)
+    new, _ = step(new, (xs[2], ys[2]))
+    want, _ = run_reference(opt, params, batches, loss_fn=scanned_loss)
+    _assert_close(step.params(new), want)
+
+
 def test_labels_on_split_stacks_train_and_move_between_sizes(mesh8, tmp_path):
     """Labels on a held group (a buffer per param and label): each label gets its own
     optimizer, as one-device optax.multi_transform does, and the state saved at 8

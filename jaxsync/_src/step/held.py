@@ -98,13 +98,11 @@ def held_buffers(layout: Layout, groups: Sequence[str]) -> frozenset[int]:
     return frozenset(bi for g in groups for bi in stacks[g])
 
 
-def split_stacks(mode: Any, n: int) -> bool:
-    """Whether a 1-D ZeRO step on ``n`` data-parallel devices keeps a buffer per
-    stacked param: when its forward gathers the layers (not resharded) from more than
-    one device, each param is then gathered straight into its own array; on one
-    device (nothing held, :func:`holds`) each param's new bf16 stack is its buffer
-    cast, not a slice of a shared one."""
-    del n
+def split_stacks(mode: Any) -> bool:
+    """Whether a 1-D ZeRO step keeps a buffer per stacked param (unless it reshards
+    after the forward): on several devices its forward then gathers each param
+    straight into its own array; on one (nothing held, :func:`holds`) each param's
+    new bf16 stack is its buffer cast, not a slice copied out of a shared row."""
     return mode.name == "zero" and not mode.reshard_after_forward
 
 

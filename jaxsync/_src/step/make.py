@@ -68,7 +68,7 @@ def make_state(
         # groups, on more than one device) or the update's cast (one device) then
         # land in each param's array, not in a slice copied out of a shared row.
         n_dp = mesh_axes_size(mesh, axes, "train_step")
-        tx._config.split_stacks = split_stacks(mode, n_dp)
+        tx._config.split_stacks = split_stacks(mode)
         opt_state = tx.sharded_init(params, mesh)
         if records_rate(step.metrics, opt_state):  # the rate lives beside ZeRO's norms
             tx._config.rate = True

@@ -78,7 +78,7 @@ def tag_of(step: Any) -> np.ndarray:
         mode.name, step.axis_name, step.stacked, labels,
         getattr(mode, "bucket_size", None), getattr(mode, "units", None),
     )  # fmt: skip
-    if step.stacked and (mode.name == "fsdp" or split_stacks(mode, n)):
+    if step.stacked and (mode.name == "fsdp" or split_stacks(mode)):
         # Since 2026-11 a stacked FSDP unit's shard holds a piece of every param (it was
         # a slice of the layer's flat row), and ZeRO keeps a buffer per stacked param:
         # the same shapes, in another order.

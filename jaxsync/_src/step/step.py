@@ -25,11 +25,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from ..core.axes import mesh_axes_size
 from ..core.names import param_name
 from ..core.specs import full_spec
 from ..core.validate import check_float_params
@@ -300,7 +300,7 @@ class TrainStep:
                 body, donate_argnums=donate,
                 compiler_options=step_compiler_options(
                     self.mode.name, two_d=False, layer_bytes=self._layer_bytes(plan),
-                    devices=int(np.prod([self.mesh.shape[a] for a in axes])),
+                    devices=mesh_axes_size(self.mesh, axes, "jaxsync.train_step"),
                 ),
             )  # fmt: skip
         # Manual over the data axes (and any axis no param uses); the compiler
