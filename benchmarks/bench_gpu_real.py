@@ -28,8 +28,16 @@ the step's temporaries, and whatever building the state needed) against XLA's
 
 One GPU checks the compute side of the model only: a 1-device program has no
 collectives, so no communication is priced or measured. It ran on one H100 on
-2026-11-26 (docs/gpu.md, "Checked on one real H100"); on CPU devices the measured
+2026-11-26 and on one H200 on 2026-11-27 (docs/gpu.md); on CPU devices the measured
 columns work, the modeled ones need a GPU.
+
+``--model llama`` runs ``bench_gpu``'s Llama-style decoder (default: the GPT);
+``--defaults-only`` only what a user runs (XLA's defaults); ``--profile DIR`` profiles
+each executable and writes its kernels' times per run by HLO instruction to
+``DIR/<model>_<method>[_modeled].json`` (run with ``XLA_FLAGS=
+--xla_gpu_enable_command_buffer=`` so the profile sees each kernel, not the CUDA graph
+that holds it), and sets the *calibrated* model beside the measured step: the modeled
+executable's schedule walked again with those times.
 """
 
 from __future__ import annotations
