@@ -144,3 +144,36 @@ def test_fsdp_on_one_device_casts_each_unit_once(opt):
         assert (stack in text) is (n == 1), n
         if n == 1:
             _assert_close(step.params(state), _reference(opt, batches), rtol=2e-5, atol=2e-6)
+
+
+def test_an_nnx_model_reads_its_params_cast_once(mesh8):
+    """An NNX module (stacked blocks run by jaxsync.scan_layers) under
+    ``DDP(param_dtype=bf16)``: single-device SGD on the module with its params cast."""
+    from flax import nnx
+    from test_nnx_bridge import Net, batches, model_loss
+
+    graphdef, state = nnx.split(Net(nnx.Rngs(0)), nnx.Param)
+
+    def ref_loss(params, batch):
+        st = jax.tree.map(lambda v: v, state)
+        nnx.replace_by_pure_dict(st, _cast(params))
+        return model_loss(nnx.merge(graphdef, st), batch)
+
+    opt = optax.sgd(0.1)
+    want = nnx.to_pure_dict(state)
+    for b in batches():
+        want = jax.tree.map(lambda p, g: p - 0.1 * g, want, jax.grad(ref_loss)(want, b))
+    seen = []
+
+    def loss(model, batch):
+        seen.append(model.inp.kernel.value.dtype)
+        return model_loss(model, batch)
+
+    step = jaxsync.train_step(loss, opt, mesh8, jaxsync.DDP(param_dtype=BF16), stacked="blocks")
+    state8 = step.init(Net(nnx.Rngs(0)))
+    for b in batches():
+        state8, _ = step(state8, b)
+    got = step.params(state8)
+    got = got if isinstance(got, dict) else nnx.to_pure_dict(nnx.state(got, nnx.Param))
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, 2e-2, 2e-3), got, want)
+    assert seen and set(seen) == {jnp.dtype(BF16)}
