@@ -177,3 +177,59 @@ def test_an_nnx_model_reads_its_params_cast_once(mesh8):
     got = got if isinstance(got, dict) else nnx.to_pure_dict(nnx.state(got, nnx.Param))
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, 2e-2, 2e-3), got, want)
     assert seen and set(seen) == {jnp.dtype(BF16)}
+
+
+@pytest.mark.parametrize(
+    "mode",
+    [jaxsync.DDP(param_dtype=BF16), jaxsync.DDP(param_dtype=BF16, deterministic=True)],
+    ids=["bucketed", "deterministic"],
+)
+def test_unstacked_params_are_cast_once_too(mesh8, mode):
+    """Without stacked groups (and in deterministic mode) the loss reads the cast
+    params as well: single-device optax on the cast params, to bf16 rounding of the
+    gradient."""
+    from helpers import mlp_loss, mlp_params
+
+    params = mlp_params(jax.random.key(0))
+    rng = np.random.default_rng(0)
+    xs, ys = rng.standard_normal((2, 32, 12), np.float32), rng.standard_normal((2, 32, 5), np.float32)
+    want, _ = run_reference(optax.sgd(0.1), params, (xs, ys),
+                            loss_fn=lambda p, b: mlp_loss(_cast(p), b))  # fmt: skip
+    seen = set()
+
+    def loss(p, b):
+        seen.add(p["layer0"]["w"].dtype)
+        return mlp_loss(p, b)
+
+    step = jaxsync.train_step(loss, optax.sgd(0.1), mesh8, mode)
+    state = step.init(params)
+    for i in range(2):
+        state, _ = step(state, (xs[i], ys[i]))
+    assert seen == {jnp.dtype(BF16)}
+    _assert_close(step.params(state), want, rtol=2e-2, atol=2e-3)
+
+
+def test_a_two_d_mesh_reads_the_cast_params():
+    """DDP on (data, model) axes, the compiler partitioning the model: the loss reads
+    bf16 and the step trains as single-device optax on the cast params."""
+    from helpers import place_by_specs
+    from tp_gpt import gpt_batches, gpt_loss, gpt_params, tp_specs
+
+    mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    params = gpt_params(jax.random.key(0))
+    batches = gpt_batches(jax.random.key(1), 2, 8)
+    want, _ = run_reference(optax.sgd(0.1), params, batches,
+                            loss_fn=lambda p, b: gpt_loss(_cast(p), b))  # fmt: skip
+    seen = set()
+
+    def loss(p, b):
+        seen.add(p["head"].dtype)
+        return gpt_loss(p, b)
+
+    step = jaxsync.train_step(loss, optax.sgd(0.1), mesh, jaxsync.DDP(param_dtype=BF16),
+                              stacked="blocks")  # fmt: skip
+    state = step.init(place_by_specs(mesh, params, tp_specs()))
+    for i in range(2):
+        state, _ = step(state, (batches[0][i], batches[1][i]))
+    assert seen == {jnp.dtype(BF16)}
+    _assert_close(step.params(state), want, rtol=2e-2, atol=2e-3)
