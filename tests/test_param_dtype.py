@@ -192,7 +192,8 @@ def test_unstacked_params_are_cast_once_too(mesh8, mode):
 
     params = mlp_params(jax.random.key(0))
     rng = np.random.default_rng(0)
-    xs, ys = rng.standard_normal((2, 32, 12), np.float32), rng.standard_normal((2, 32, 5), np.float32)
+    xs = rng.standard_normal((2, 32, 12), np.float32)
+    ys = rng.standard_normal((2, 32, 5), np.float32)
     want, _ = run_reference(optax.sgd(0.1), params, (xs, ys),
                             loss_fn=lambda p, b: mlp_loss(_cast(p), b))  # fmt: skip
     seen = set()
