@@ -299,3 +299,15 @@ def test_dim_collectives_match_numpy(shape, spec, dim, spread, padded):
     # Each device holds 1/(4 x 2) of a spread param's padded dim, 1/4 otherwise.
     per_device = padded // (4 * (2 if spread else 1))
     assert shard.addressable_shards[0].data.shape[dim] == per_device
+
+
+@pytest.mark.parametrize("mode", ["zero", "ddp", "fsdp"])
+def test_one_data_device_beside_a_model_axis_is_refused_by_name(mode):
+    """(data=1, model=8): XLA's partitioner cannot compile a partially manual step whose
+    manual axes have one device (an internal error); the step says so when it is built
+    from the sharded params, naming the axes and what to do."""
+    require_devices(8)
+    mesh = jax.make_mesh((1, 8), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+    step = jaxsync.train_step(gpt_loss, optax.sgd(0.1), mesh, mode=mode, stacked="blocks")
+    with pytest.raises(ValueError, match=r"data axes \['data'\] have 1 device.*'model': 8"):
+        step.init(placed(mesh, gpt_params(jax.random.key(0))))

@@ -142,6 +142,16 @@ def spec_layout(cfg: Any, params: PyTree) -> SpecLayout | None:
             )
         )  # fmt: skip
     sizes = {a: cfg.mesh.shape[a] for a in compiler}
+    if n == 1:
+        # XLA's partitioner refuses a partially manual step whose manual axes have one
+        # device ("Cross-partition allreduce must be in (partial) manual partitioning
+        # mode", an internal error): say so here, with what to do.
+        raise ValueError(
+            f"jaxsync.train_step: the data axes {list(data)} have 1 device, and the params "
+            f"are sharded over {sizes}. With one data-parallel device there is no gradient "
+            "to sync: jit the step with the params' NamedShardings (the compiler then "
+            "partitions it over the other axes), or give the data axes 2 or more devices."
+        )
     return plan_layout(params, data, sizes, n, cfg.stacked, _owned_names(cfg, params))
 
 
