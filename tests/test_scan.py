@@ -14,6 +14,7 @@ import jaxsync
 from tests.helpers import (
     run_reference,
     scanned_batches,
+    scanned_block,
     scanned_loss,
     scanned_params,
     state_bytes_on_device,
@@ -400,3 +401,37 @@ def test_labels_and_loss_scale_on_stacked_buffers(mesh8):
         got, state = step(got, state, batch)
     # (ignoring the labels would decay b1 and g by ~3e-3: far outside this tolerance)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=3e-5, atol=3e-6), ref, got)
+
+
+@pytest.mark.parametrize("devices", [1, 2])
+def test_one_nonfinite_leaf_is_named_on_one_device_too(devices):
+    """A NaN in one stacked leaf's gradient (b1) and nowhere else: the step is skipped
+    and only that leaf is flagged, on one device (the flags read off the sinks after
+    the loop, where the sinks hold the local gradient) as on two (flagged in the loop)."""
+
+    def loss(params, batch):
+        x, y = batch
+        h = x @ params["inp"]["w"]
+
+        def body(carry, p):
+            h, bad = carry
+            p = jaxsync.tap(p)
+            # sqrt(-1) * 0: a NaN term whose gradient reaches b1 alone
+            bad = bad + jnp.sum(jnp.sqrt(p["b1"] * 0.0 - 1.0)) * 0.0
+            return (scanned_block(p, h), bad), None
+
+        bad0 = jnp.sum(h) * 0.0  # (varying over the data axes, as the carry is)
+        (h, bad), _ = jax.lax.scan(jax.checkpoint(body), (h, bad0), params["blocks"])
+        return jnp.mean((h @ params["head"]["w"] - y) ** 2) + bad
+
+    mesh = jax.make_mesh((devices,), ("data",), devices=jax.devices()[:devices])
+    params = scanned_params(jax.random.PRNGKey(0), layers=LAYERS)
+    xs, ys = scanned_batches(jax.random.PRNGKey(1), 1, BATCH)
+    step = jaxsync.train_step(loss, optax.adam(1e-2), mesh, "zero", stacked="blocks")
+    state, _ = step(step.init(params), (xs[0], ys[0]))
+    m = state.opt_state.metrics
+    assert bool(m.skipped)
+    names = [jaxsync.param_name(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+    flagged = [n for n, c in zip(names, np.asarray(m.nonfinite_devices), strict=True) if c]
+    assert flagged == ["blocks.b1"], flagged
+    jax.tree.map(np.testing.assert_array_equal, step.params(state), params)

@@ -50,6 +50,10 @@ class TapSpec:
     # The group's treedef when the view holds master rows (one [L, shard] per
     # buffer) and the tap gathers each layer from them; None: it holds the params.
     gathered: Any = None
+    # Whether the loop flags each leaf's non-finite local gradient; False where the
+    # sinks hand on the local gradient itself (one contribution: the step reads the
+    # flags off the sinks after the loop, in the pass that reads them anyway).
+    flags: bool = True
 
 
 @jax.tree_util.register_pytree_node_class
@@ -191,7 +195,10 @@ def _tap_bwd(spec: TapSpec, res: Any, ct: PyTree) -> tuple[None, Any, None]:
     # the distributed optimizer's skipped-step report). Not core.tree_reduce's
     # float sums, which compile faster on CPU: inside the layer loop they held
     # 153 MiB more per H100 (ZeRO, 7.2B Llama-style, 64 GPUs; no change at 8).
-    flags = jnp.stack([jnp.logical_not(jnp.all(jnp.isfinite(g))) for g in leaves])
+    if spec.flags:
+        flags = jnp.stack([jnp.logical_not(jnp.all(jnp.isfinite(g))) for g in leaves])
+    else:
+        flags = jnp.zeros((len(leaves),), jnp.bool_)
     by_slot: list[Any] = [None] * len(layout.slots)
     for si, leaf in zip(spec.slots, leaves, strict=True):
         by_slot[si] = leaf

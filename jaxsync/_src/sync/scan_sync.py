@@ -129,12 +129,15 @@ def _plan(sync: Any, params: PyTree, fn: str) -> _Plan:
     return _Plan(layout, axes, True, jnp.dtype(config.reduce_dtype).name, config.rules)
 
 
-def _sink_dtypes(plan: _Plan, sync: Any, microbatches: int, first: bool) -> dict[int, str]:
-    """The dtype each buffer's in-loop gradient is handed out in: the reduction's,
-    or, on one device with one microbatch and no finalize rules (nothing is summed,
-    so nothing is rounded), the dtype it was computed in: the params' as the loss
-    reads them. That keeps one GPU's gradient stacks at the model's width (a bf16
-    model's are half the bytes to zero, write and read) and the values exact."""
+def _sink_dtypes(
+    plan: _Plan, sync: Any, microbatches: int, first: bool
+) -> tuple[dict[int, str], bool]:
+    """The dtype each buffer's in-loop gradient is handed out in, and whether it is a
+    single contribution: the reduction's dtype, or, on one device with one microbatch
+    and no finalize rules (nothing is summed, so nothing is rounded), the dtype it was
+    computed in: the params' as the loss reads them. That keeps one GPU's gradient
+    stacks at the model's width (a bf16 model's are half the bytes to zero, write and
+    read) and the values exact."""
     alone = (
         microbatches == 1 and first and plan.rules is None and axes_size(plan.axes) == 1
     )
@@ -142,7 +145,19 @@ def _sink_dtypes(plan: _Plan, sync: Any, microbatches: int, first: bool) -> dict
     return {
         bi: jnp.dtype(computed or buf.key.dtype).name if alone else plan.reduce_dtype
         for bi, buf in enumerate(plan.layout.buffers)
-    }
+    }, alone
+
+
+def _sink_flag(layout: Layout, si: int, buckets: Any, bufs: tuple[int, ...]) -> jax.Array:
+    """Whether slot ``si``'s gradient, as its sinks hold it (``[layers, bucket]`` per
+    bucket of its buffer), has a non-finite element."""
+    slot = layout.slots[si]
+    bi = slot.buffer
+    for bucket, arr in zip(layout.buffers[bi].buckets, buckets[bufs.index(bi)], strict=True):
+        if si in bucket.slots:
+            lo = slot.start - bucket.start
+            return jnp.logical_not(jnp.all(jnp.isfinite(arr[..., lo : lo + slot.size])))
+    raise AssertionError(f"slot {si} lies in no bucket of buffer {bi}")
 
 
 def _sink_axes(plan: _Plan, bi: int) -> tuple[str, ...]:
@@ -195,7 +210,7 @@ def sync_value_and_grad(
     factor = mean_factor(plan.axes, True, None) / microbatches
     acc_leaves = None if acc is None else layout.check_tree(acc, "acc")
 
-    sink_dtype = _sink_dtypes(plan, sync, microbatches, acc is None)
+    sink_dtype, alone = _sink_dtypes(plan, sync, microbatches, acc is None)
     specs, sinks, accs = {}, {}, {}
     names = [param_name(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
     held = dict(held or {})
@@ -210,6 +225,9 @@ def sync_value_and_grad(
         if group in held:
             _check_held(group, held[group], layout, bufs, passthrough, plan.scatter)
         packed_in = {sink_dtype[bi] for bi in bufs}
+        # One contribution: the sinks hold each leaf's local gradient, so its
+        # non-finite flag is read off them after the loop (_sink_flags).
+        off_sinks = alone and not any(layout.slots[si].pieces for si in slots)
         specs[group] = TapSpec(
             group,
             layout,
@@ -221,6 +239,7 @@ def sync_value_and_grad(
             factor,
             passthrough,
             subtrees.get(group),
+            not off_sinks,
         )
         flag_sink = to_varying(
             jnp.zeros((layout.buffers[bufs[0]].layers, len(slots)), jnp.float32), plan.axes
@@ -299,6 +318,9 @@ def sync_value_and_grad(
         for bi, buckets in zip(bufs, bucket_grads, strict=True):
             per_buffer[bi] = buckets
         for j, si in enumerate(specs[group].slots):
+            if not specs[group].flags:
+                nonfinite[si] = _sink_flag(layout, si, bucket_grads, bufs)
+                continue
             bad = jnp.max(flag_grads[:, j]) > 0
             if acc_leaves is not None:
                 bad = bad | jnp.logical_not(jnp.all(jnp.isfinite(acc_leaves[si])))
