@@ -111,7 +111,10 @@ import jaxsync
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 rank = os.environ["JAXSYNC_PROCESS_ID"]
-open(os.path.join(sys.argv[2], f"pid.{rank}"), "w").write(str(os.getpid()))
+pid_file = os.path.join(sys.argv[2], f"pid.{rank}")
+with open(pid_file + ".tmp", "w") as f:  # whole, then renamed: a reader never sees it empty
+    f.write(str(os.getpid()))
+os.replace(pid_file + ".tmp", pid_file)
 jaxsync.initialize()
 rank, mode = jax.process_index(), sys.argv[1]
 mesh = jax.make_mesh((jax.device_count(),), ("d",))
