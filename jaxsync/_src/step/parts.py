@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from ..core.axes import varying_axes
 from ..core.cpu_order import on_cpu
 from ..core.validate import check_loss
+from ..fsdp.gather import cast_floats
 from ..optim.logged import TreeNorms, norms_on, rate_of, with_rate
 from ..optim.loss_scale import active_scale
 from ..sync.layer_tap import LayerStack
@@ -68,10 +69,9 @@ def compute_view(params: Any, dtype: Any) -> Any:
         return params
 
     def one(x: Any) -> Any:
-        if isinstance(x, LayerStack):
-            return LayerStack(compute_view(x.params, dtype), x.sinks, x.acc, x.spec)
-        floating = hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)
-        return x.astype(dtype) if floating else x
+        if isinstance(x, LayerStack):  # its params, never its sinks
+            return LayerStack(cast_floats(x.params, dtype), x.sinks, x.acc, x.spec)
+        return cast_floats(x, dtype)
 
     return jax.tree.map(one, params, is_leaf=lambda x: isinstance(x, LayerStack))
 
