@@ -75,8 +75,8 @@ class Plan:
         self.norms = norms  # update and param norms in the metrics (optim.logged)
         self.rate = False  # a learning rate in the metrics: set by jaxsync.train_step
         self.unit_prints = False  # units' gradient fingerprints: set by jaxsync.train_step
-        # A buffer per stacked param, for a step that gathers its stacked layers in the
-        # forward (each param then straight into its own array): set by jaxsync.train_step.
+        # A buffer per stacked param (each gathered in the forward, or cast in the update
+        # on one device, straight into its own array): set by jaxsync.train_step.
         self.split_stacks = False
         self.rules = rules
         self.stacked = stacked

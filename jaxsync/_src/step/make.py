@@ -19,7 +19,6 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ..core.axes import mesh_axes_size
 from ..core.names import group_of, param_name
 from ..core.specs import full_spec
 from ..fsdp.fully_shard import fully_shard
@@ -31,7 +30,7 @@ from ..optim.master import needs_master, with_fp32_master
 from ..optim.optimizer import distributed_optimizer
 from ..optim.state import initial_metrics
 from ..optim.whole_tree import owned_tree
-from .held import held_groups, holds, split_stacks, strip
+from .held import held_groups, split_stacks, strip
 from .modes import DDP, ZeRO
 from .parts import Plan
 from .train_state import GuardState, TrainState
@@ -67,7 +66,6 @@ def make_state(
         # A buffer per stacked param (held.split_stacks): the forward's gathers (held
         # groups, on more than one device) or the update's cast (one device) then
         # land in each param's array, not in a slice copied out of a shared row.
-        n_dp = mesh_axes_size(mesh, axes, "train_step")
         tx._config.split_stacks = split_stacks(mode)
         opt_state = tx.sharded_init(params, mesh)
         if records_rate(step.metrics, opt_state):  # the rate lives beside ZeRO's norms
@@ -75,7 +73,7 @@ def make_state(
             zero = jax.device_put(jnp.zeros((), jnp.float32), rep)
             opt_state = opt_state._replace(metrics=opt_state.metrics._replace(learning_rate=zero))
         opt_specs = tx.state_specs(params, mesh)
-        groups = held_groups(tx, template, mesh, mode, step.stacked) if holds(n_dp) else ()
+        groups = held_groups(tx, template, mesh, mode, step.stacked)
         held, n_flags = strip(params, groups), n_leaves
         param_specs = jax.tree.map(lambda _: P(), held)
     elif isinstance(mode, DDP):
