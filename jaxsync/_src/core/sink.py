@@ -1,0 +1,216 @@
+"""Loop-invariant broadcasts sunk back into the scans that read them.
+
+When JAX differentiates a ``lax.scan`` it evaluates, once and outside the loop,
+whatever in the forward body depends on no loop input (``_scan_known_hoisting``),
+and feeds the results to the loop as constants. A causal mask is such a value:
+``jnp.where(tril, scores, -1e30)`` broadcasts the ``[S, S]`` mask and the scalar to
+the scores' ``[B, H, S, S]`` shape, so the forward loop receives both broadcasts
+whole: on the Llama-style 1.1B model of ``bench_gpu`` (4 x 2048 tokens per GPU),
+1024 MiB of fp32 and 256 MiB of bools per GPU, held for the whole forward, where
+inside the loop each would have been fused into the kernel that reads it. A
+``jax.jit`` step holds them too. Worse, where XLA peels a loop iteration into the
+surrounding program (its pipelined collectives and double-buffered loops do), it
+merges the peeled iteration's own broadcast with the hoisted one, and the buffer
+then lives from the forward into the backward, at the step's memory peak.
+
+:func:`sink_broadcasts` rewrites a traced, differentiated program so that each scan
+receives the broadcast's small operand instead and broadcasts it inside its body.
+Nothing is computed differently (a broadcast copies values), so the rewrite is
+exact; only what is materialized changes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.extend import core as jcore
+
+_SCAN = jcore.primitives.scan_p
+_JIT = jcore.primitives.jit_p
+_BROADCAST = jcore.primitives.broadcast_in_dim_p
+#: Elementwise ops that change a value's type, not its values, and may follow the
+#: broadcast: ``jnp.full`` converts after it broadcasts; inside ``shard_map`` a value
+#: the loop reads as device-varying is marked so (``pvary``).
+_RETYPES = frozenset({"convert_element_type", "pvary", "copy", "copy_p"})
+
+
+def value_and_grad(fun: Callable[..., Any], **kwargs: Any) -> Callable[..., Any]:
+    """``jax.value_and_grad(fun, **kwargs)``, run as :func:`with_broadcasts_sunk` runs
+    it: the library differentiates every loss through this."""
+    return with_broadcasts_sunk(jax.value_and_grad(fun, **kwargs))
+
+
+def with_broadcasts_sunk(fun: Callable[..., Any]) -> Callable[..., Any]:
+    """``fun`` traced once, its scans' loop-invariant broadcasts sunk into their bodies
+    (:func:`sink_broadcasts`), and evaluated from that program: the same values."""
+
+    def sunk(*args: Any, **kwargs: Any) -> Any:
+        closed, shape = jax.make_jaxpr(lambda a, k: fun(*a, **k), return_shape=True)(args, kwargs)
+        closed = sink_broadcasts(closed)
+        flat = jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *jax.tree.leaves((args, kwargs)))
+        # an output the trace found constant comes back as the literal's value
+        flat = [x if isinstance(x, jax.Array) else jnp.asarray(x, s.dtype)
+                for x, s in zip(flat, jax.tree.leaves(shape), strict=True)]  # fmt: skip
+        return jax.tree.unflatten(jax.tree.structure(shape), flat)
+
+    return sunk
+
+
+def sink_broadcasts(closed: Any) -> Any:
+    """``closed`` (a ``ClosedJaxpr``) with every size-inflating ``broadcast_in_dim``
+    that feeds a scan as a loop constant moved into the scan's body; in the
+    program's own jaxpr and in those of the jits and scans it calls."""
+    jaxpr, changed = _sink(closed.jaxpr)
+    return jcore.ClosedJaxpr(jaxpr, closed.consts) if changed else closed
+
+
+def _sink(jaxpr: Any) -> tuple[Any, bool]:
+    wanted = {
+        v
+        for e in jaxpr.eqns
+        if e.primitive is _SCAN
+        for v in e.invars[: e.params["num_consts"]]
+        if isinstance(v, jcore.Var)
+    }
+    eqns, rename, changed = _inline_producers(jaxpr.eqns, wanted)
+    made = _broadcasts(eqns)
+    out = []
+    for e in eqns:
+        if e.primitive is _SCAN:
+            e, sunk = _sink_into_scan(e, made)
+            changed |= sunk
+        if e.primitive in (_SCAN, _JIT):
+            body, inner = _sink(e.params["jaxpr"].jaxpr)
+            if inner:
+                e = e.replace(
+                    params={**e.params, "jaxpr": jcore.ClosedJaxpr(body, e.params["jaxpr"].consts)}
+                )
+                changed = True
+        out.append(e)
+    if not changed:
+        return jaxpr, False
+    outvars = [_read(rename, v) for v in jaxpr.outvars]
+    return jaxpr.replace(eqns=out, outvars=outvars), True
+
+
+def _inline_producers(eqns: Sequence[Any], wanted: set) -> tuple[list, dict, bool]:
+    """``eqns`` with each jit that computes a scan constant inlined (its equations in
+    its place, under fresh names), so a broadcast made inside it is seen; and the
+    renaming of the jits' results that the rest of the program must read."""
+    rename: dict[Any, Any] = {}
+    out: list[Any] = []
+    changed = False
+    pending = list(eqns)[::-1]
+    while pending:
+        e = pending.pop()
+        invars = [_read(rename, v) for v in e.invars]
+        if invars != list(e.invars):
+            e = e.replace(invars=invars)
+        if (
+            e.primitive is _JIT
+            and not e.effects
+            and not e.params["jaxpr"].consts
+            and any(v in wanted for v in e.outvars)
+        ):
+            inner = e.params["jaxpr"].jaxpr
+            env: dict[Any, Any] = dict(zip(inner.invars, e.invars, strict=True))
+            body = []
+            for ie in inner.eqns:
+                new_out = [v if isinstance(v, jcore.DropVar) else jcore.Var(v.aval)
+                           for v in ie.outvars]  # fmt: skip
+                body.append(ie.replace(invars=[_read(env, v) for v in ie.invars],
+                                       outvars=new_out))  # fmt: skip
+                env.update(zip(ie.outvars, new_out, strict=True))
+            for outer, inner_out in zip(e.outvars, inner.outvars, strict=True):
+                atom = _read(env, inner_out)
+                rename[outer] = atom
+                if outer in wanted and isinstance(atom, jcore.Var):
+                    wanted.add(atom)
+            pending.extend(body[::-1])
+            changed = True
+            continue
+        out.append(e)
+    return out, rename, changed
+
+
+def _broadcasts(eqns: Sequence[Any]) -> dict[Any, list]:
+    """Each value made by a size-inflating broadcast, or by conversions of one
+    (:data:`_RETYPES`), with the equations that made it."""
+    made: dict[Any, list] = {}
+    for e in eqns:
+        if e.primitive is _BROADCAST and _inflates(e):
+            made[e.outvars[0]] = [e]
+        elif (
+            e.primitive.name in _RETYPES
+            and len(e.invars) == len(e.outvars) == 1
+            and isinstance(e.invars[0], jcore.Var)
+            and e.invars[0] in made
+        ):
+            made[e.outvars[0]] = [*made[e.invars[0]], e]
+    return made
+
+
+def _sink_into_scan(e: Any, made: dict) -> tuple[Any, bool]:
+    """The scan ``e`` with its broadcast constants (those ``made`` holds) read as their
+    operands and broadcast at the top of its body."""
+    n = e.params["num_consts"]
+    body = e.params["jaxpr"]
+    invars, binders = list(e.invars), list(body.jaxpr.invars)
+    front, drop = [], []
+    for k in range(n):
+        chain = made.get(invars[k]) if isinstance(invars[k], jcore.Var) else None
+        if chain is None:
+            continue
+        operand, target = chain[0].invars[0], binders[k]
+        if isinstance(operand, jcore.Literal):
+            drop.append(k)
+            x = operand
+        else:
+            x = jcore.Var(operand.aval)
+            invars[k], binders[k] = operand, x
+        for i, c in enumerate(chain):  # the same equations, inside, under new names
+            out = target if i == len(chain) - 1 else jcore.Var(c.outvars[0].aval)
+            front.append(c.replace(invars=[x], outvars=[out]))
+            x = out
+    if not front:
+        return e, False
+    keep = [i for i in range(len(invars)) if i not in drop]
+    inner = body.jaxpr.replace(
+        invars=[binders[i] for i in keep],
+        eqns=[*front, *body.jaxpr.eqns],
+        debug_info=_without_args(body.jaxpr.debug_info, drop),
+    )
+    params = {
+        **e.params,
+        "jaxpr": jcore.ClosedJaxpr(inner, body.consts),
+        "num_consts": n - len(drop),
+    }
+    if "linear" in params:  # older JAX versions keep one flag per operand
+        params["linear"] = tuple(params["linear"][i] for i in keep)
+    return e.replace(invars=[invars[i] for i in keep], params=params), True
+
+
+def _inflates(e: Any) -> bool:
+    """Whether a broadcast's result is larger than its operand (else nothing is saved)."""
+    operand = e.invars[0].aval
+    return math.prod(e.outvars[0].aval.shape) > math.prod(operand.shape)
+
+
+def _without_args(info: Any, drop: Sequence[int]) -> Any:
+    """A body's debug info without the names of the binders ``drop`` removed."""
+    names = getattr(info, "arg_names", None)
+    if not drop or names is None or not hasattr(info, "_replace"):
+        return info
+    return info._replace(arg_names=tuple(n for i, n in enumerate(names) if i not in drop))
+
+
+def _read(env: dict, v: Any) -> Any:
+    """What ``v`` is now called: a jit inlined inside an inlined jit renames twice."""
+    while isinstance(v, jcore.Var) and v in env:
+        v = env[v]
+    return v
+
