@@ -19,7 +19,7 @@ import pytest
 from helpers import lower_on_h100s, train_beside_optax
 
 import jaxsync
-from jaxsync._src.core import sink
+from jaxsync._src.core import grad_program, sink
 
 B, H, S, D, L = 2, 4, 16, 8, 3
 SCORES = f"[{B},{H},{S},{S}]"
@@ -75,12 +75,12 @@ def test_the_masks_broadcasts_enter_the_loop_as_their_operands(nested):
 def test_values_are_jax_value_and_grads_exactly():
     ws, h = _args(1)
     want = jax.jit(jax.value_and_grad(_loss))(ws, h)
-    got = jax.jit(sink.value_and_grad(_loss))(ws, h)
+    got = jax.jit(grad_program.value_and_grad(_loss))(ws, h)
     for w, g in zip(jax.tree.leaves(want), jax.tree.leaves(got), strict=True):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
     # keyword arguments and argnums pass through
     scaled = lambda ws, h, scale=1.0: scale * _loss(ws, h)  # noqa: E731
-    got = jax.jit(sink.value_and_grad(scaled, argnums=1))(ws, h, scale=2.0)
+    got = jax.jit(grad_program.value_and_grad(scaled, argnums=1))(ws, h, scale=2.0)
     np.testing.assert_array_equal(got[1], jax.jit(jax.grad(scaled, argnums=1))(ws, h, scale=2.0))
 
 
@@ -97,7 +97,7 @@ def test_a_broadcast_literal_is_no_longer_a_loop_operand():
     assert (B, S, D) in _scan_consts(closed.jaxpr)
     sunk = sink.sink_broadcasts(closed)
     assert (B, S, D) not in _scan_consts(sunk.jaxpr)
-    got = jax.jit(sink.value_and_grad(loss, argnums=(0, 1)))(ws, h)
+    got = jax.jit(grad_program.value_and_grad(loss, argnums=(0, 1)))(ws, h)
     want = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(ws, h)
     for w, g in zip(jax.tree.leaves(want), jax.tree.leaves(got), strict=True):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
@@ -111,7 +111,7 @@ def test_a_program_without_such_broadcasts_is_returned_as_is():
 def test_the_compiled_h100_program_holds_no_mask_between_iterations():
     shapes = ((L, D, D), jnp.float32), ((B, S, D), jnp.float32)
     plain = lower_on_h100s(jax.value_and_grad(_loss), *shapes, gpus=1).compile()
-    sunk = lower_on_h100s(sink.value_and_grad(_loss), *shapes, gpus=1).compile()
+    sunk = lower_on_h100s(grad_program.value_and_grad(_loss), *shapes, gpus=1).compile()
     assert f"f32{SCORES}" in _loop_operands(plain.as_text())
     assert f"pred{SCORES}" in _loop_operands(plain.as_text())
     assert SCORES not in _loop_operands(sunk.as_text())
@@ -165,7 +165,7 @@ def test_a_broadcast_made_two_jits_deep_is_sunk_and_the_values_hold():
     closed = jax.make_jaxpr(jax.value_and_grad(loss, has_aux=True))(ws, h)
     assert (B, S, S) in _scan_consts(closed.jaxpr)
     assert (B, S, S) not in _scan_consts(sink.sink_broadcasts(closed).jaxpr)
-    (value, aux), grad = jax.jit(sink.value_and_grad(loss, has_aux=True))(ws, h)
+    (value, aux), grad = jax.jit(grad_program.value_and_grad(loss, has_aux=True))(ws, h)
     (want, _), want_grad = jax.jit(jax.value_and_grad(loss, has_aux=True))(ws, h)
     np.testing.assert_array_equal(value, want)
     np.testing.assert_array_equal(grad, want_grad)

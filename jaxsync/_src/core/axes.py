@@ -93,7 +93,11 @@ def mesh_axes_size(mesh: Any, axis_name: AxisName, fn: str) -> int:
 
 def varying_axes(x: Any) -> frozenset[str]:
     """Mesh axes over which ``x`` is typed device-varying (empty outside shard_map)."""
-    aval = jax.typeof(x)
+    return aval_varying_axes(jax.typeof(x))
+
+
+def aval_varying_axes(aval: Any) -> frozenset[str]:
+    """:func:`varying_axes` of an abstract value (a jaxpr variable's ``aval``)."""
     vma = getattr(aval, "vma", None)
     if vma is None:
         mat = getattr(aval, "manual_axis_type", None)

@@ -16,17 +16,16 @@ then lives from the forward into the backward, at the step's memory peak.
 :func:`sink_broadcasts` rewrites a traced, differentiated program so that each scan
 receives the broadcast's small operand instead and broadcasts it inside its body.
 Nothing is computed differently (a broadcast copies values), so the rewrite is
-exact; only what is materialized changes.
+exact; only what is materialized changes. :mod:`grad_program` applies it to every
+gradient the library takes.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
-import jax
-import jax.numpy as jnp
 from jax.extend import core as jcore
 
 _SCAN = jcore.primitives.scan_p
@@ -36,28 +35,6 @@ _BROADCAST = jcore.primitives.broadcast_in_dim_p
 #: broadcast: ``jnp.full`` converts after it broadcasts; inside ``shard_map`` a value
 #: the loop reads as device-varying is marked so (``pvary``).
 _RETYPES = frozenset({"convert_element_type", "pvary", "copy", "copy_p"})
-
-
-def value_and_grad(fun: Callable[..., Any], **kwargs: Any) -> Callable[..., Any]:
-    """``jax.value_and_grad(fun, **kwargs)``, run as :func:`with_broadcasts_sunk` runs
-    it: the library differentiates every loss through this."""
-    return with_broadcasts_sunk(jax.value_and_grad(fun, **kwargs))
-
-
-def with_broadcasts_sunk(fun: Callable[..., Any]) -> Callable[..., Any]:
-    """``fun`` traced once, its scans' loop-invariant broadcasts sunk into their bodies
-    (:func:`sink_broadcasts`), and evaluated from that program: the same values."""
-
-    def sunk(*args: Any, **kwargs: Any) -> Any:
-        closed, shape = jax.make_jaxpr(lambda a, k: fun(*a, **k), return_shape=True)(args, kwargs)
-        closed = sink_broadcasts(closed)
-        flat = jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *jax.tree.leaves((args, kwargs)))
-        # an output the trace found constant comes back as the literal's value
-        flat = [x if isinstance(x, jax.Array) else jnp.asarray(x, s.dtype)
-                for x, s in zip(flat, jax.tree.leaves(shape), strict=True)]  # fmt: skip
-        return jax.tree.unflatten(jax.tree.structure(shape), flat)
-
-    return sunk
 
 
 def sink_broadcasts(closed: Any) -> Any:
@@ -213,4 +190,3 @@ def _read(env: dict, v: Any) -> Any:
     while isinstance(v, jcore.Var) and v in env:
         v = env[v]
     return v
-

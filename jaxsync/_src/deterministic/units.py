@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from ..core.axes import axes_size, bound_axes, to_varying
-from ..core.sink import value_and_grad as sunk_value_and_grad
+from ..core.grad_program import value_and_grad as program_value_and_grad
 from ..core.validate import check_local_loss, check_option
 from .fixed_point import MAX_ADDENDS, unit_sum
 
@@ -185,7 +185,7 @@ def unit_value_and_grad(
     # [M, k * ub, ...] -> [M * k, ub, ...]: entry i = m * k + j is unit j of microbatch m.
     data = jax.tree.map(lambda x: x.reshape(m * k, x.shape[1] // k, *x.shape[2:]), microbatches)
     view = to_varying(params, axes)
-    vg = sunk_value_and_grad(fun, has_aux=has_aux)
+    vg = program_value_and_grad(fun, has_aux=has_aux)
     unit0 = jax.tree.map(lambda x: x[0], data)
     out_shape, g_shape = jax.eval_shape(vg, view, unit0)
     dtypes = tuple(jnp.dtype(g.dtype).name for g in jax.tree.leaves(g_shape))

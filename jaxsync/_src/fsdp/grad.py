@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from ..core.axes import axes_size, to_varying
-from ..core.sink import value_and_grad as sunk_value_and_grad
+from ..core.grad_program import value_and_grad as program_value_and_grad
 from ..core.validate import check_loss
 from ..sync.remat_keep import keep_fsdp_gathered
 from ..sync.tap_rules import check_no_gather_under_cond
@@ -47,21 +47,21 @@ def value_and_grad(
     if microbatches == 1:
         narrow = _alone_dtype(fs, shards)
         if narrow is None:
-            out, grads = sunk_value_and_grad(loss_fn, has_aux=has_aux)(shards, batch)
+            out, grads = program_value_and_grad(loss_fn, has_aux=has_aux)(shards, batch)
         else:  # cast once; each shard's gradient comes back at the model's width, exact
             cast = jax.tree.map(lambda s: s.astype(narrow), shards)
-            out, grads = sunk_value_and_grad(loss_fn, has_aux=has_aux)(cast, batch)
+            out, grads = program_value_and_grad(loss_fn, has_aux=has_aux)(cast, batch)
             grads = jax.tree.map(lambda g, s: g.astype(s.dtype), grads, shards)
         if all_aux and has_aux:
             out = (out[0], jax.tree.map(lambda a: jnp.asarray(a)[None], out[1]))
         return out, grads
     mbs = split_microbatches(microbatches, batch)
     if sync_grad_accum:
-        target, grad_fn = shards, sunk_value_and_grad(loss_fn, has_aux=has_aux)
+        target, grad_fn = shards, program_value_and_grad(loss_fn, has_aux=has_aux)
     else:
         # Local gradients of the gathered params (varying: no implicit psum).
         target = to_varying(fs.gather_all(shards), fs.axes + fs.replicate_axes)
-        grad_fn = sunk_value_and_grad(loss_fn, has_aux=has_aux)
+        grad_fn = program_value_and_grad(loss_fn, has_aux=has_aux)
 
     def body(acc: Any, mb: Any) -> tuple[Any, Any]:
         loss, g = grad_fn(target, mb)

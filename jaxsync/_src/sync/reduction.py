@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from ..core.axes import AxisName, bound_axes
-from ..core.sink import value_and_grad as sunk_value_and_grad
+from ..core.grad_program import value_and_grad as program_value_and_grad
 from ..core.validate import check_local_loss
 from ..deterministic.exact import UNIT_GRADS_WITHOUT_MODE
 from ..deterministic.strategy import ExactSums
@@ -41,7 +41,7 @@ class Bucketed:
     ) -> Callable[..., Any]:  # fmt: skip
         if sync is not None:
             return _synced(fun, sync, argnums, has_aux, rules)
-        vg = sunk_value_and_grad(fun, argnums=argnums, has_aux=has_aux)
+        vg = program_value_and_grad(fun, argnums=argnums, has_aux=has_aux)
         nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
 
         def wrapped(*args: Any, **kwargs: Any) -> Any:

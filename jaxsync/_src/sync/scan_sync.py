@@ -25,8 +25,8 @@ import jax
 import jax.numpy as jnp
 
 from ..core.axes import AxisName, axes_size, bound_axes, normalize_axes, to_varying
+from ..core.grad_program import value_and_grad as program_value_and_grad
 from ..core.names import group_trees, in_group, param_name
-from ..core.sink import value_and_grad as sunk_value_and_grad
 from ..layout.layout import Layout
 from ..layout.placement import build_layout, check_bucket_size, normalize_stacked
 from ..layout.records import BufferKey
@@ -303,7 +303,7 @@ def sync_value_and_grad(
         flat = jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *flat)
         return jax.tree.unflatten(out_tree, flat)
 
-    grad_fn = sunk_value_and_grad(traced, argnums=(0, 1), has_aux=has_aux)
+    grad_fn = program_value_and_grad(traced, argnums=(0, 1), has_aux=has_aux)
     out, (g_free, g_sinks) = grad_fn(free_in, sinks)
     by_slot: list[Any] = [None] * len(leaves)
     for i, g in zip(free, g_free, strict=True):

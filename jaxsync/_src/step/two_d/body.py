@@ -23,8 +23,8 @@ import jax.numpy as jnp
 
 from ...core.axes import to_varying, varying_axes
 from ...core.cpu_order import on_cpu
+from ...core.grad_program import value_and_grad as program_value_and_grad
 from ...core.names import group_of
-from ...core.sink import value_and_grad as sunk_value_and_grad
 from ...fsdp.grad import split_microbatches
 from ...optim.logged import TreeNorms
 from ...sync.reduction import BUCKETED
@@ -124,7 +124,7 @@ def spec_body(cfg: Any, plan: Any, state: TrainState, batch: Any) -> tuple[Train
         flat = jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *jax.tree.leaves((diff, acc, b)))
         return jax.tree.unflatten(out_tree, flat)
 
-    grad_fn = sunk_value_and_grad(traced, has_aux=True)
+    grad_fn = program_value_and_grad(traced, has_aux=True)
     if k == 1 or once:
         (out, rest), g = grad_fn(diff, acc, last)
         rest = one_piece(rest)

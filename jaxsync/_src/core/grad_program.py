@@ -1,0 +1,41 @@
+"""How the library takes a gradient: traced once, rewritten for memory, evaluated.
+
+``jax.value_and_grad`` leaves two things to XLA that cost memory in a scanned
+model, and XLA cannot undo them: the loop-invariant broadcasts JAX hoists out of a
+differentiated scan (:mod:`sink`), and where the scheduler places the gradients that
+are ready before the backward loop (:mod:`ready`). :func:`value_and_grad` traces
+``jax.value_and_grad(fun)`` to its program, applies both rewrites, and evaluates the
+rewritten program: the same values, exactly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from .ready import ready_first
+from .sink import sink_broadcasts
+
+
+def value_and_grad(fun: Callable[..., Any], **kwargs: Any) -> Callable[..., Any]:
+    """``jax.value_and_grad(fun, **kwargs)`` run from its rewritten program."""
+    return rewritten(jax.value_and_grad(fun, **kwargs))
+
+
+def rewritten(fun: Callable[..., Any]) -> Callable[..., Any]:
+    """``fun`` traced once, its program rewritten (:func:`sink.sink_broadcasts`, then
+    :func:`ready.ready_first`) and evaluated from that program."""
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        closed, shape = jax.make_jaxpr(lambda a, k: fun(*a, **k), return_shape=True)(args, kwargs)
+        closed = ready_first(sink_broadcasts(closed))
+        flat = jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *jax.tree.leaves((args, kwargs)))
+        # an output the trace found constant comes back as the literal's value
+        flat = [x if isinstance(x, jax.Array) else jnp.asarray(x, s.dtype)
+                for x, s in zip(flat, jax.tree.leaves(shape), strict=True)]  # fmt: skip
+        return jax.tree.unflatten(jax.tree.structure(shape), flat)
+
+    return run

@@ -1,0 +1,120 @@
+"""Gradients ready before the backward loop are computed before it (``core/ready.py``).
+
+The LM head's weight gradient needs only the logits' cotangent and the last hidden
+state; left to XLA it can be computed after the backward loop, holding its inputs
+across it. These tests hold the rewrite to its structure (an optimization barrier
+ties the gradient to the loop's input), to the exact values of ``jax.value_and_grad``,
+to the cases it leaves alone, and measure its effect on a compiled Llama-style ZeRO
+step for H100s.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import jaxsync
+from jaxsync._src.core import grad_program, ready
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
+import llama  # noqa: E402
+
+D, L = 16, 3
+
+
+def _loss(params, x, y):
+    def body(h, w):
+        return jnp.tanh(h @ w) + h, None
+
+    h, _ = jax.lax.scan(jax.checkpoint(body), x @ params["inp"], params["blocks"])
+    logits = h @ params["head"]
+    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), y[:, None], axis=1))
+
+
+def _args(tokens, vocab, seed=0):
+    k = jax.random.split(jax.random.key(seed), 5)
+    params = {"inp": 0.3 * jax.random.normal(k[0], (D, D)),
+              "blocks": 0.3 * jax.random.normal(k[1], (L, D, D)),
+              "head": 0.3 * jax.random.normal(k[2], (D, vocab))}  # fmt: skip
+    x = jax.random.normal(k[3], (tokens, D))
+    return params, x, jax.random.randint(k[4], (tokens,), 0, vocab)
+
+
+def _program(tokens, vocab):
+    return jax.make_jaxpr(jax.value_and_grad(_loss))(*_args(tokens, vocab))
+
+
+def test_the_heads_gradient_is_tied_to_the_backward_loops_input():
+    closed = _program(tokens=64, vocab=256)  # dlogits 64 x 256 outweighs dW 16 x 256
+    tied = ready.ready_first(closed)
+    eqns = tied.jaxpr.eqns
+    (b,) = [i for i, e in enumerate(eqns) if e.primitive.name == "optimization_barrier"]
+    loop = next(i for i, e in enumerate(eqns) if e.primitive.name == "scan" and e.params["reverse"])
+    assert b < loop
+    barrier = eqns[b]
+    assert [tuple(v.aval.shape) for v in barrier.outvars[:-1]] == [(D, 256)]
+    assert barrier.outvars[-1] in eqns[loop].invars  # the loop waits for it
+    assert barrier.outvars[0] in tied.jaxpr.outvars  # the head's gradient, returned
+    # the untied program has no barrier, and nothing else changed in number
+    assert not any(e.primitive.name == "optimization_barrier" for e in closed.jaxpr.eqns)
+    assert len(eqns) == len(closed.jaxpr.eqns) + 1
+
+
+def test_values_are_jax_value_and_grads_exactly():
+    args = _args(tokens=64, vocab=256, seed=1)
+    want = jax.jit(jax.value_and_grad(_loss))(*args)
+    got = jax.jit(grad_program.value_and_grad(_loss))(*args)
+    for w, g in zip(jax.tree.leaves(want), jax.tree.leaves(got), strict=True):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
+def test_a_gradient_that_would_hold_more_than_it_frees_is_left_alone():
+    closed = _program(tokens=4, vocab=256)  # dW 16 x 256 outweighs dlogits 4 x 256 + h
+    assert ready.ready_first(closed) is closed
+
+
+def test_a_program_with_ordered_effects_is_left_alone():
+    def loss(params, x, y):
+        jax.debug.print("{}", x[0, 0], ordered=True)
+        return _loss(params, x, y)
+
+    closed = jax.make_jaxpr(jax.value_and_grad(loss))(*_args(tokens=64, vocab=256))
+    assert ready.ready_first(closed) is closed
+
+
+def test_a_program_without_a_backward_loop_is_left_alone():
+    closed = jax.make_jaxpr(jax.grad(lambda w, x: jnp.sum((x @ w) ** 2)))(
+        jnp.ones((4, 256)), jnp.ones((64, 4))
+    )
+    assert ready.ready_first(closed) is closed
+
+
+def _held_mib(cfg) -> float:
+    """Arguments + temporaries per GPU of a Llama-style ZeRO step on two H100s."""
+    mesh = jaxsync.gpu_topology("h100", hosts=1, gpus_per_host=2)
+    loss = functools.partial(llama.scanned_loss, heads=cfg.heads, kv_heads=cfg.kv_heads,
+                             dtype=jnp.bfloat16)  # fmt: skip
+    step = jaxsync.train_step(loss, optax.adamw(1e-4), mesh, "zero", stacked="blocks")
+    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.bfloat16),
+                          jax.eval_shape(lambda: llama.device_params(cfg)))  # fmt: skip
+    tokens = jax.ShapeDtypeStruct((2 * cfg.batch_per_device, cfg.seq + 1), jnp.int32)
+    stats = step.lower(step.abstract_state(shapes), tokens).compile().memory_analysis()
+    return (stats.argument_size_in_bytes + stats.temp_size_in_bytes) / 2**20
+
+
+def test_a_llama_zero_step_for_h100s_no_longer_holds_the_logits_cotangent(monkeypatch):
+    cfg = llama.SIZES["quick"]
+    tied = _held_mib(cfg)
+    monkeypatch.setattr(grad_program, "ready_first", lambda closed: closed)
+    untied = _held_mib(cfg)
+    # left to XLA, the head's gradient is computed after the backward loop, holding the
+    # logits' cotangent (bf16 [rows, seq, vocab]) across it instead of the gradient
+    dlogits = cfg.batch_per_device * cfg.seq * cfg.vocab * 2 / 2**20
+    dw = cfg.d_model * cfg.vocab * 2 / 2**20
+    assert untied - tied >= (dlogits - dw) / 2, (untied, tied)
