@@ -54,9 +54,11 @@ def ready_first(closed: Any) -> Any:
         swap.update(zip(group, tied[:-1], strict=True))
     if not barriers:
         return closed
-    before = [e for e in jaxpr.eqns if e is not loop and not any(v in after for v in e.outvars)]
+    late = [e is loop or any(isinstance(v, jcore.Var) and v in after for v in e.invars)
+            for e in jaxpr.eqns]  # fmt: skip
+    before = [e for e, x in zip(jaxpr.eqns, late, strict=True) if not x]
     rest = [e.replace(invars=invars) if e is loop else e
-            for e in jaxpr.eqns if e is loop or any(v in after for v in e.outvars)]  # fmt: skip
+            for e, x in zip(jaxpr.eqns, late, strict=True) if x]  # fmt: skip
     outvars = [swap.get(v, v) if isinstance(v, jcore.Var) else v for v in jaxpr.outvars]
     return jcore.ClosedJaxpr(
         jaxpr.replace(eqns=[*before, *barriers, *rest], outvars=outvars), closed.consts
