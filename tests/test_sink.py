@@ -171,3 +171,21 @@ def test_a_broadcast_made_two_jits_deep_is_sunk_and_the_values_hold():
     np.testing.assert_array_equal(grad, want_grad)
     # an output the trace finds constant still comes back an array of its dtype
     assert isinstance(aux, jax.Array) and aux.dtype == jnp.int32 and int(aux) == 7
+
+
+def test_a_mask_from_an_index_comparison_and_finfo_min_is_sunk_too():
+    def layer(h, w):
+        rows = h.shape[0]
+        q = jnp.einsum("bsd,de->bse", h, w).reshape(rows, S, H, D // H)
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, q)
+        causal = jnp.arange(S)[:, None] >= jnp.arange(S)[None, :]
+        s = jnp.where(causal, s, jnp.finfo(s.dtype).min)
+        out = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), q)
+        return h + out.reshape(rows, S, D), None
+
+    def loss(ws, h):
+        return jnp.mean(jax.lax.scan(jax.checkpoint(layer), h, ws)[0] ** 2)
+
+    closed = jax.make_jaxpr(jax.value_and_grad(loss))(*_args(5))
+    assert _scan_consts(closed.jaxpr).count((B, H, S, S)) == 2
+    assert (B, H, S, S) not in _scan_consts(sink.sink_broadcasts(closed).jaxpr)
