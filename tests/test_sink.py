@@ -189,3 +189,24 @@ def test_a_mask_from_an_index_comparison_and_finfo_min_is_sunk_too():
     closed = jax.make_jaxpr(jax.value_and_grad(loss))(*_args(5))
     assert _scan_consts(closed.jaxpr).count((B, H, S, S)) == 2
     assert (B, H, S, S) not in _scan_consts(sink.sink_broadcasts(closed).jaxpr)
+
+
+def test_a_jit_making_a_loop_constant_that_is_no_broadcast_is_kept_whole():
+    @jax.jit
+    def table(t):  # a loop constant made in a jit, by a product (no broadcast to sink)
+        return jnp.cos(t * jnp.arange(S, dtype=jnp.float32))[None, :, None] * jnp.ones((1, 1, D))
+
+    def loss(ws, h):
+        t = jnp.mean(h)  # computed outside the loop: what the body makes of it is invariant
+
+        def layer(c, w):
+            return jnp.tanh(c @ w) * table(t), None
+
+        return jnp.sum(jax.lax.scan(layer, h, ws)[0])
+
+    closed = jax.make_jaxpr(jax.value_and_grad(loss))(*_args(6))
+    made_in_a_jit = [e for e in closed.jaxpr.eqns if e.primitive.name in ("jit", "pjit")
+                     and any(tuple(v.aval.shape) == (1, S, D) for v in e.outvars)]  # fmt: skip
+    assert made_in_a_jit  # the hoisted table, a scan constant
+    assert (1, S, D) in _scan_consts(closed.jaxpr)
+    assert sink.sink_broadcasts(closed) is closed

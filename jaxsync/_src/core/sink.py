@@ -53,9 +53,9 @@ def _sink(jaxpr: Any) -> tuple[Any, bool]:
         for v in e.invars[: e.params["num_consts"]]
         if isinstance(v, jcore.Var)
     }
-    eqns, rename, changed = _inline_producers(jaxpr.eqns, wanted)
+    eqns, rename = _inline_producers(jaxpr.eqns, wanted)
     made = _broadcasts(eqns)
-    out = []
+    out, changed = [], False  # an inlined jit alone is no change: the original is kept
     for e in eqns:
         if e.primitive is _SCAN:
             e, sunk = _sink_into_scan(e, made)
@@ -74,13 +74,12 @@ def _sink(jaxpr: Any) -> tuple[Any, bool]:
     return jaxpr.replace(eqns=out, outvars=outvars), True
 
 
-def _inline_producers(eqns: Sequence[Any], wanted: set) -> tuple[list, dict, bool]:
+def _inline_producers(eqns: Sequence[Any], wanted: set) -> tuple[list, dict]:
     """``eqns`` with each jit that computes a scan constant inlined (its equations in
     its place, under fresh names), so a broadcast made inside it is seen; and the
     renaming of the jits' results that the rest of the program must read."""
     rename: dict[Any, Any] = {}
     out: list[Any] = []
-    changed = False
     pending = list(eqns)[::-1]
     while pending:
         e = pending.pop()
@@ -108,10 +107,9 @@ def _inline_producers(eqns: Sequence[Any], wanted: set) -> tuple[list, dict, boo
                 if outer in wanted and isinstance(atom, jcore.Var):
                     wanted.add(atom)
             pending.extend(body[::-1])
-            changed = True
             continue
         out.append(e)
-    return out, rename, changed
+    return out, rename
 
 
 def _broadcasts(eqns: Sequence[Any]) -> dict[Any, list]:
