@@ -15,6 +15,7 @@ that would hold more than it frees is left where XLA puts it. No value changes.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -22,13 +23,12 @@ import jax
 from jax.extend import core as jcore
 
 from .axes import aval_varying_axes
+from .sink import RETYPES
 
 _SCAN = jcore.primitives.scan_p
-#: Ops a gradient may pass through between its matmul and the program's output.
-_RESHAPES = frozenset(
-    {"convert_element_type", "transpose", "reshape", "copy", "copy_p", "pvary", "squeeze",
-     "expand_dims"}
-)  # fmt: skip
+#: Ops a gradient may pass through between its matmul and the program's output: the
+#: conversions a broadcast may pass through (:data:`sink.RETYPES`) and layout changes.
+_RESHAPES = RETYPES | {"transpose", "reshape", "squeeze", "expand_dims"}
 
 
 def ready_first(closed: Any) -> Any:
@@ -121,6 +121,7 @@ def _nbytes(aval: Any) -> int:
     return math.prod(aval.shape) * aval.dtype.itemsize
 
 
+@functools.cache
 def _barrier() -> Any:
     """``optimization_barrier``'s primitive (not exported by ``jax.extend``)."""
     return jax.make_jaxpr(jax.lax.optimization_barrier)(0.0).eqns[0].primitive

@@ -34,7 +34,7 @@ _BROADCAST = jcore.primitives.broadcast_in_dim_p
 #: Elementwise ops that change a value's type, not its values, and may follow the
 #: broadcast: ``jnp.full`` converts after it broadcasts; inside ``shard_map`` a value
 #: the loop reads as device-varying is marked so (``pvary``).
-_RETYPES = frozenset({"convert_element_type", "pvary", "copy", "copy_p"})
+RETYPES = frozenset({"convert_element_type", "pvary", "copy", "copy_p"})
 
 
 def sink_broadcasts(closed: Any) -> Any:
@@ -114,13 +114,13 @@ def _inline_producers(eqns: Sequence[Any], wanted: set) -> tuple[list, dict]:
 
 def _broadcasts(eqns: Sequence[Any]) -> dict[Any, list]:
     """Each value made by a size-inflating broadcast, or by conversions of one
-    (:data:`_RETYPES`), with the equations that made it."""
+    (:data:`RETYPES`), with the equations that made it."""
     made: dict[Any, list] = {}
     for e in eqns:
         if e.primitive is _BROADCAST and _inflates(e):
             made[e.outvars[0]] = [e]
         elif (
-            e.primitive.name in _RETYPES
+            e.primitive.name in RETYPES
             and len(e.invars) == len(e.outvars) == 1
             and isinstance(e.invars[0], jcore.Var)
             and e.invars[0] in made
