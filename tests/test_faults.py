@@ -147,7 +147,10 @@ def run_bare(tmp_path, mode, extra=None, limit=LIMIT):
         for log in logs:
             log.close()
     outs = {r: (tmp_path / f"out.{r}").read_text() for r in range(2)}
-    assert None not in codes.values(), (f"still running after {limit}s", codes, outs)
+    tails = "".join(
+        f"\n--- process {r} (exit {codes[r]}), last lines:\n{o[-3000:]}" for r, o in outs.items()
+    )
+    assert None not in codes.values(), f"still running after {limit}s: {codes}{tails}"
     return codes, outs, secs
 
 
