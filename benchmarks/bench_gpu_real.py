@@ -121,6 +121,52 @@ def calibrated(dump_dir: str, compiled, gpu: str, table: dict):
     return read_schedule(text, compiled.memory_analysis(), jaxsync.GPUS[gpu], twin, table)
 
 
+def calibration_gaps(dump_dir: str, runs_path: str) -> dict:
+    """Where the profile and the calibrated walk part: each profiled op's time per
+    step against its per-run time times the runs the walk gives its instruction
+    (loop trip counts), largest shortfall first; ``unwalked_ms`` sums them."""
+    from collections import Counter
+
+    from jaxsync._src.gpu.read import _Program
+    from jaxsync._src.gpu.schedule import _schedule_text
+
+    prog = _Program(_schedule_text(dump_dir))
+    walked: Counter = Counter()
+    for cid, n in prog.runs.items():
+        sched = prog.scheds.get(cid)
+        insts = ([prog.insts[e.one("id")] for e in sched.all("instructions")] if sched
+                 else prog.comps[cid].all("instructions"))  # fmt: skip
+        for inst in insts:
+            walked[inst.one("name")] += n
+    where = {i.one("name"): c.one("name") for c in prog.comps.values()
+             for i in c.all("instructions")}  # fmt: skip
+    with open(runs_path) as f:
+        table = json.load(f)
+    gaps = []
+    for op, row in table.items():
+        short = row["us_per_step"] - row["us_per_step"] / row["runs"] * walked.get(op, 0)
+        gaps.append((short, op, where.get(op, "?"), walked.get(op, 0), row["runs"],
+                     row["launches"]))  # fmt: skip
+    gaps.sort(key=lambda g: -abs(g[0]))
+    return {"unwalked_ms": sum(g[0] for g in gaps) / 1e3,
+            "not_found_ms": sum(g[0] for g in gaps if g[3] == 0) / 1e3,
+            "top": [[round(g[0] / 1e3, 3), *g[1:]] for g in gaps[:20]]}  # fmt: skip
+
+
+def keep_schedule(dump_dir: str, stem: str) -> None:
+    """The schedule dump (and its pricing twin's) beside the kernel table, to read later."""
+    import shutil
+
+    from jaxsync._src.gpu.schedule import _schedule_text
+
+    for sub, suffix in (("", ".schedule.txt"), ("pricing_twin", ".twin.schedule.txt")):
+        text = _schedule_text(os.path.join(dump_dir, sub))
+        if text is not None:
+            with open(stem + suffix, "w") as f:
+                f.write(text)
+    shutil.rmtree(dump_dir, ignore_errors=True)
+
+
 def kernel_times(fn, state, batch, where: str, name: str, steps: int = 3) -> tuple[dict, object]:
     """The GPU kernels' time per step, from a profile of ``steps`` steps: the total, and
     the ops by HLO instruction (``hlo_op``), largest first. The whole table is written
@@ -170,6 +216,10 @@ def kernel_times(fn, state, batch, where: str, name: str, steps: int = 3) -> tup
     os.makedirs(where, exist_ok=True)
     with open(os.path.join(where, f"{name}.json"), "w") as f:
         json.dump({k: v / runs[k] for k, v in per_step.items()}, f)
+    with open(os.path.join(where, f"{name}.runs.json"), "w") as f:  # what the table came from
+        json.dump({op: {"us_per_step": us, "runs": runs[op],
+                        "launches": {k: c / steps for (o, k), c in launches.items() if o == op}}
+                   for op, us in per_step.items()}, f)  # fmt: skip
     return {"kernel_ms": sum(per_step.values()) / 1e3,
             "lines_ms": {k: v / steps / 1e3 for k, v in lines.items()},
             "stats": sorted(seen), "ops": len(per_step),
@@ -222,6 +272,9 @@ def one(name: str, mname: str, size: str, steps: int, gpu: str, target: str,
                 cal = calibrated(dump, modeled_fn, gpu, json.load(f))
             out["calibrated_ms"] = cal.repriced_us / 1e3
             out["calibrated_share"] = cal.measured_share
+            out["calibration_gaps"] = calibration_gaps(
+                dump, os.path.join(profile, f"{mname}_{name}_modeled.runs.json"))
+            keep_schedule(dump, os.path.join(profile, f"{mname}_{name}_modeled"))
     if report is not None:
         out["model_ms"] = report.step_us / 1e3
         out["makespan_ms"] = report.makespan_us / 1e3

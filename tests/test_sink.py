@@ -20,6 +20,7 @@ from helpers import lower_on_h100s, train_beside_optax
 
 import jaxsync
 from jaxsync._src.core import grad_program, sink
+from jaxsync._src.core.jaxpr_compat import program, scan_num_consts
 
 B, H, S, D, L = 2, 4, 16, 8, 3
 SCORES = f"[{B},{H},{S},{S}]"
@@ -49,9 +50,9 @@ def _scan_consts(jaxpr):
     out = []
     for e in jaxpr.eqns:
         if e.primitive.name == "scan":
-            out += [tuple(v.aval.shape) for v in e.invars[: e.params["num_consts"]]]
+            out += [tuple(v.aval.shape) for v in e.invars[: scan_num_consts(e)]]
         if e.primitive.name in ("scan", "jit", "pjit"):
-            out += _scan_consts(e.params["jaxpr"].jaxpr)
+            out += _scan_consts(program(e))
     return out
 
 

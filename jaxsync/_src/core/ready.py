@@ -23,6 +23,7 @@ import jax
 from jax.extend import core as jcore
 
 from .axes import aval_varying_axes
+from .jaxpr_compat import scan_num_consts
 from .sink import RETYPES
 
 _SCAN = jcore.primitives.scan_p
@@ -70,7 +71,7 @@ def _ties(loop: Any, ready: list) -> list[tuple[int, list]]:
     value (not a literal) of the same device-varying axes (``shard_map``'s types: an
     optimization barrier's operands must agree on them)."""
     operands = {}
-    for k in range(loop.params["num_consts"], len(loop.invars)):
+    for k in range(scan_num_consts(loop), len(loop.invars)):
         v = loop.invars[k]
         if isinstance(v, jcore.Var):
             operands.setdefault(_vma(v), k)

@@ -28,6 +28,8 @@ from typing import Any
 
 from jax.extend import core as jcore
 
+from .jaxpr_compat import closes_over_values, program, scan_keeping, scan_num_consts, with_program
+
 _SCAN = jcore.primitives.scan_p
 _JIT = jcore.primitives.jit_p
 _BROADCAST = jcore.primitives.broadcast_in_dim_p
@@ -50,7 +52,7 @@ def _sink(jaxpr: Any) -> tuple[Any, bool]:
         v
         for e in jaxpr.eqns
         if e.primitive is _SCAN
-        for v in e.invars[: e.params["num_consts"]]
+        for v in e.invars[: scan_num_consts(e)]
         if isinstance(v, jcore.Var)
     }
     eqns, rename = _inline_producers(jaxpr.eqns, wanted)
@@ -61,11 +63,9 @@ def _sink(jaxpr: Any) -> tuple[Any, bool]:
             e, sunk = _sink_into_scan(e, made)
             changed |= sunk
         if e.primitive in (_SCAN, _JIT):
-            body, inner = _sink(e.params["jaxpr"].jaxpr)
+            body, inner = _sink(program(e))
             if inner:
-                e = e.replace(
-                    params={**e.params, "jaxpr": jcore.ClosedJaxpr(body, e.params["jaxpr"].consts)}
-                )
+                e = e.replace(params=with_program(e, body))
                 changed = True
         out.append(e)
     if not changed:
@@ -89,10 +89,10 @@ def _inline_producers(eqns: Sequence[Any], wanted: set) -> tuple[list, dict]:
         if (
             e.primitive is _JIT
             and not e.effects
-            and not e.params["jaxpr"].consts
+            and not closes_over_values(e)
             and any(v in wanted for v in e.outvars)
         ):
-            inner = e.params["jaxpr"].jaxpr
+            inner = program(e)
             env: dict[Any, Any] = dict(zip(inner.invars, e.invars, strict=True))
             body = []
             for ie in inner.eqns:
@@ -132,9 +132,9 @@ def _broadcasts(eqns: Sequence[Any]) -> dict[Any, list]:
 def _sink_into_scan(e: Any, made: dict) -> tuple[Any, bool]:
     """The scan ``e`` with its broadcast constants (those ``made`` holds) read as their
     operands and broadcast at the top of its body."""
-    n = e.params["num_consts"]
-    body = e.params["jaxpr"]
-    invars, binders = list(e.invars), list(body.jaxpr.invars)
+    n = scan_num_consts(e)
+    body = program(e)
+    invars, binders = list(e.invars), list(body.invars)
     front, drop = [], []
     for k in range(n):
         chain = made.get(invars[k]) if isinstance(invars[k], jcore.Var) else None
@@ -153,20 +153,14 @@ def _sink_into_scan(e: Any, made: dict) -> tuple[Any, bool]:
             x = out
     if not front:
         return e, False
-    keep = [i for i in range(len(invars)) if i not in drop]
-    inner = body.jaxpr.replace(
-        invars=[binders[i] for i in keep],
-        eqns=[*front, *body.jaxpr.eqns],
-        debug_info=_without_args(body.jaxpr.debug_info, drop),
+    keep = [i not in drop for i in range(len(invars))]
+    inner = body.replace(
+        invars=[b for b, k in zip(binders, keep, strict=True) if k],
+        eqns=[*front, *body.eqns],
+        debug_info=_without_args(body.debug_info, drop),
     )
-    params = {
-        **e.params,
-        "jaxpr": jcore.ClosedJaxpr(inner, body.consts),
-        "num_consts": n - len(drop),
-    }
-    if "linear" in params:  # older JAX versions keep one flag per operand
-        params["linear"] = tuple(params["linear"][i] for i in keep)
-    return e.replace(invars=[invars[i] for i in keep], params=params), True
+    kept = [v for v, k in zip(invars, keep, strict=True) if k]
+    return e.replace(invars=kept, params=scan_keeping(e, inner, keep)), True
 
 
 def _inflates(e: Any) -> bool:
