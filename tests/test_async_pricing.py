@@ -18,7 +18,7 @@ from helpers import lower_on_h100s
 from jax._src.compute_on import compute_on
 
 import jaxsync
-from jaxsync._src.gpu.read import read_schedule
+from jaxsync._src.gpu.read import _Program, read_schedule
 from jaxsync._src.gpu.repricing import async_bytes, kernel_table, profile_text
 from jaxsync._src.gpu.textproto import parse
 
@@ -169,6 +169,44 @@ def test_measured_kernel_times_replace_the_modeled_ones(exposed):
     assert r.measured_us == pytest.approx(modeled + 250.0)
     assert r.measured_share == pytest.approx((modeled + 250.0) / r.repriced_us)
     assert r.step_us == base.step_us and r.makespan_us == base.makespan_us  # XLA's
+
+
+def _called(text, name):
+    """The names of the instructions inside the computations ``name`` calls."""
+    prog = _Program(text)
+    (inst,) = [i for i in prog.insts.values() if i.one("name") == name]
+    return [i.one("name") for c in inst.all("called_computation_ids")
+            for i in prog.comps[c].all("instructions")]  # fmt: skip
+
+
+def test_a_time_named_inside_a_fusion_is_charged_to_the_fusion():
+    """A profile names a kernel by the instruction that launched it, which may sit
+    inside the fusion the schedule runs (a cuBLAS call in a dynamic-slice fusion on
+    JAX 0.11): the walk charges it to that fusion, as if the table named the fusion."""
+    text, memory = _dump(_exposed, STACK, INDEX, G)
+    base = read_schedule(text, memory, H100)
+    fusions = [(n, us) for n, us in _times(base).items() if _called(text, n)]
+    name, modeled = max(fusions, key=lambda kv: kv[1])
+    inner = _called(text, name)
+    direct = read_schedule(text, memory, H100, kernel_times={name: modeled + 250.0})
+    split = {inner[0]: modeled + 200.0, inner[-1]: 50.0}  # two of its kernels, summed
+    lifted = read_schedule(text, memory, H100, kernel_times=split)
+    assert lifted.repriced_us == pytest.approx(direct.repriced_us)
+    assert lifted.repriced_us - base.repriced_us == pytest.approx(250.0, abs=1e-6)
+    assert lifted.measured_us == pytest.approx(modeled + 250.0)
+
+
+def test_an_async_ops_measured_time_replaces_its_bytes_price(exposed):
+    """The kernel an asynchronous slice runs (named inside its async computation, as a
+    profile names it) prices the op at its measured time; the slice is exposed, so the
+    step moves by the difference from its bytes price."""
+    text, memory = _dump(_exposed, STACK, INDEX, G)
+    base = read_schedule(text, memory, H100)
+    (op,) = base.async_ops
+    inner = [n for n in _called(text, op.name) if not n.startswith("param")]
+    r = read_schedule(text, memory, H100, kernel_times={inner[-1]: 60.0})
+    assert r.async_ops[0].repriced_us == pytest.approx(60.0)
+    assert r.repriced_us - base.repriced_us == pytest.approx(60.0 - op.repriced_us, abs=1e-6)
 
 
 def test_xla_reads_the_same_table_as_a_profile(exposed):

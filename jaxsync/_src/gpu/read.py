@@ -14,7 +14,7 @@ from collections import Counter
 from collections.abc import Mapping
 from typing import Any
 
-from .repricing import walk
+from .repricing import lift_to_callers, walk
 from .roofline import compute_times, dot_flops, is_compute, roofline, shape_bytes
 from .target import GpuSpec
 from .textproto import Message, parse
@@ -44,7 +44,7 @@ def read_schedule(
     """
     prog = _Program(text)
     twin = _Twin(_Program(twin_text)) if twin_text else None
-    table = dict(kernel_times or {})
+    table = lift_to_callers(dict(kernel_times or {}), prog.comps, prog.runs)
     timings, colls, skipped, hot, asyncs = [], [], [], [], []
 
     def repriced(comp: Message, sched: Message, n: int, skip=lambda _: False, where=prog):

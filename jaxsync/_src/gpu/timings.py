@@ -50,7 +50,8 @@ class AsyncTiming:
         it takes).
       xla_us: its start-to-done span on XLA's timeline (XLA gives such an op a flat
         5000-cycle latency: 5 ms on the H100 target).
-      repriced_us: ``bytes`` over the target's memory bandwidth.
+      repriced_us: its measured time where a kernel table names what it runs, else
+        ``bytes`` over the target's memory bandwidth.
     """
 
     name: str
