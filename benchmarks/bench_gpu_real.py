@@ -122,35 +122,25 @@ def calibrated(dump_dir: str, compiled, gpu: str, table: dict):
 
 
 def calibration_gaps(dump_dir: str, runs_path: str) -> dict:
-    """Where the profile and the calibrated walk part: each profiled op's time per
-    step against its per-run time times the runs the walk gives its instruction
-    (loop trip counts), largest shortfall first; ``unwalked_ms`` sums them."""
-    from collections import Counter
-
+    """Where the profile and the calibrated walk part (``repricing.unwalked``): each
+    profiled op's time per step beyond what the walk charges it, largest first, with
+    the computation that holds it; ``unwalked_ms`` sums them."""
     from jaxsync._src.gpu.read import _Program
+    from jaxsync._src.gpu.repricing import unwalked
     from jaxsync._src.gpu.schedule import _schedule_text
 
     prog = _Program(_schedule_text(dump_dir))
-    walked: Counter = Counter()
-    for cid, n in prog.runs.items():
-        sched = prog.scheds.get(cid)
-        insts = ([prog.insts[e.one("id")] for e in sched.all("instructions")] if sched
-                 else prog.comps[cid].all("instructions"))  # fmt: skip
-        for inst in insts:
-            walked[inst.one("name")] += n
-    where = {i.one("name"): c.one("name") for c in prog.comps.values()
-             for i in c.all("instructions")}  # fmt: skip
     with open(runs_path) as f:
         table = json.load(f)
-    gaps = []
-    for op, row in table.items():
-        short = row["us_per_step"] - row["us_per_step"] / row["runs"] * walked.get(op, 0)
-        gaps.append((short, op, where.get(op, "?"), walked.get(op, 0), row["runs"],
-                     row["launches"]))  # fmt: skip
-    gaps.sort(key=lambda g: -abs(g[0]))
-    return {"unwalked_ms": sum(g[0] for g in gaps) / 1e3,
-            "not_found_ms": sum(g[0] for g in gaps if g[3] == 0) / 1e3,
-            "top": [[round(g[0] / 1e3, 3), *g[1:]] for g in gaps[:20]]}  # fmt: skip
+    per_step = {op: row["us_per_step"] for op, row in table.items()}
+    per_run = {op: row["us_per_step"] / row["runs"] for op, row in table.items()}
+    gaps = unwalked(per_step, per_run, prog.comps, prog.runs)
+    where = {i.one("name"): c.one("name") for c in prog.comps.values()
+             for i in c.all("instructions")}  # fmt: skip
+    top = sorted(gaps.items(), key=lambda kv: -abs(kv[1]))[:20]
+    return {"unwalked_ms": sum(gaps.values()) / 1e3,
+            "top": [[round(us / 1e3, 3), op, where.get(op, "?"), table[op]["runs"],
+                     table[op]["launches"]] for op, us in top]}  # fmt: skip
 
 
 def keep_schedule(dump_dir: str, stem: str) -> None:

@@ -19,7 +19,7 @@ from jax._src.compute_on import compute_on
 
 import jaxsync
 from jaxsync._src.gpu.read import _Program, read_schedule
-from jaxsync._src.gpu.repricing import async_bytes, kernel_table, profile_text
+from jaxsync._src.gpu.repricing import async_bytes, kernel_table, profile_text, unwalked
 from jaxsync._src.gpu.textproto import parse
 
 pytestmark = pytest.mark.skipif(
@@ -194,6 +194,22 @@ def test_a_time_named_inside_a_fusion_is_charged_to_the_fusion():
     assert lifted.repriced_us == pytest.approx(direct.repriced_us)
     assert lifted.repriced_us - base.repriced_us == pytest.approx(250.0, abs=1e-6)
     assert lifted.measured_us == pytest.approx(modeled + 250.0)
+
+
+def test_unwalked_is_what_a_profile_holds_beyond_the_walk():
+    """``unwalked``: per profiled op, its time per step less what the walk charges it
+    (lifted to the instruction the step runs, times its runs): nothing for an op the
+    walk charges in full, all of an op no computation holds, the rest of one whose
+    per-run time undercounts."""
+    text, memory = _dump(_exposed, STACK, INDEX, G)
+    prog = _Program(text)
+    base = read_schedule(text, memory, H100)
+    name = next(n for n in _times(base) if _called(text, n))  # a fusion, run once
+    inner = _called(text, name)[-1]
+    per_step = {inner: 30.0, "not.in.this.program": 5.0}
+    gaps = unwalked(per_step, per_step, prog.comps, prog.runs)
+    assert gaps == {inner: pytest.approx(0.0), "not.in.this.program": 5.0}
+    assert unwalked(per_step, {inner: 10.0}, prog.comps, prog.runs)[inner] == pytest.approx(20.0)
 
 
 def test_an_async_ops_measured_time_replaces_its_bytes_price(exposed):
