@@ -82,3 +82,26 @@ def test_bad_arguments_are_named():
     lowered = jax.jit(lambda x: x + 1).lower(np.ones(3, np.float32))
     with pytest.raises(TypeError, match="`options` must be a mapping"):
         jaxsync.memory_report(lowered, options=["xla_foo"])
+
+
+ASSIGNMENT = """BufferAssignment:
+allocation 0: size 262144,{page} parameter 0, shape |f32[256,256]| at ShapeIndex {{}}:
+ value: <20 param.2 @0> (size=262144,offset=0): f32[256,256]{{1,0}}
+allocation 1: size 1048576,{page} preallocated-temp:
+ value: <7 fusion.3 @0> (size=1048576,offset=0): f32[512,512]{{1,0}}
+ value: <9 fusion.5 @0> (size=4096,offset=1048064): f32[1024]{{0}}
+allocation 2: size 4,{page} output shape is |f32[]|, maybe-live-out:
+ value: <23 input_reduce_fusion @0> (size=4,offset=0): f32[]
+"""
+
+
+@pytest.mark.parametrize("page", ["", " page 0,"])
+def test_the_buffer_assignment_is_read_with_or_without_pages(page):
+    """XLA of jax 0.12 writes each allocation's page (`size N, page 0, ...`); the
+    temporaries and arguments read the same either way."""
+    from jaxsync._src.gpu.peak import _values
+
+    temps, args, shapes = _values(ASSIGNMENT.format(page=page))
+    assert temps == [("fusion.3{}", 1048576, 0), ("fusion.5{}", 4096, 1048064)]
+    assert args == [(0, 262144, "f32[256,256]")]
+    assert shapes["fusion.3{}"] == "f32[512,512]{1,0}"

@@ -30,7 +30,7 @@ from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 _RANGE = re.compile(r"^\s+(\S+\{[\d,]*\}):(\d+)-(\d+)$", re.M)
-_ALLOCATION = re.compile(r"^allocation (\d+): size (\d+), (.*)$")
+_ALLOCATION = re.compile(r"^allocation (\d+): size (\d+),(?: page \d+,)? (.*)$")  # page: XLA 0.12+
 _PARAMETER = re.compile(r"parameter (\d+), shape \|([^|]*)\|")
 _NOT_TEMP = re.compile(r"parameter|constant|thread-local|output shape")
 _STEP = re.compile(r"^\s+(\d+):(\S+)$", re.M)
