@@ -31,11 +31,18 @@ def rewritten(fun: Callable[..., Any]) -> Callable[..., Any]:
 
     def run(*args: Any, **kwargs: Any) -> Any:
         closed, shape = jax.make_jaxpr(lambda a, k: fun(*a, **k), return_shape=True)(args, kwargs)
-        closed = ready_first(sink_broadcasts(closed))
-        flat = jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *jax.tree.leaves((args, kwargs)))
-        # an output the trace found constant comes back as the literal's value
-        flat = [x if isinstance(x, jax.Array) else jnp.asarray(x, s.dtype)
-                for x, s in zip(flat, jax.tree.leaves(shape), strict=True)]  # fmt: skip
-        return jax.tree.unflatten(jax.tree.structure(shape), flat)
+        return run_jaxpr(ready_first(sink_broadcasts(closed)), shape, args, kwargs)
 
     return run
+
+
+def run_jaxpr(closed: Any, out_shape: Any, *args: Any) -> Any:
+    """``closed`` (traced from a function of ``args``, which returned ``out_shape``)
+    evaluated on ``args``' leaves, its outputs in ``out_shape``'s tree: what the
+    library does wherever it traces a function once to check or rewrite its program
+    and then runs that program instead of tracing the function again."""
+    flat = jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *jax.tree.leaves(args))
+    # an output the trace found constant comes back as the literal's value
+    flat = [x if isinstance(x, jax.Array) else jnp.asarray(x, s.dtype)
+            for x, s in zip(flat, jax.tree.leaves(out_shape), strict=True)]  # fmt: skip
+    return jax.tree.unflatten(jax.tree.structure(out_shape), flat)

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from ..core.axes import axes_size, to_varying
+from ..core.grad_program import run_jaxpr
 from ..core.grad_program import value_and_grad as program_value_and_grad
 from ..core.validate import check_loss
 from ..sync.remat_keep import keep_fsdp_gathered
@@ -97,8 +98,7 @@ def _checked_loss(
         check_no_gather_under_cond(closed.jaxpr, tuple(axes))
         if keep:
             closed = keep_fsdp_gathered(closed)
-        flat = jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *jax.tree.leaves(args))
-        out = jax.tree.unflatten(jax.tree.structure(shape), flat)
+        out = run_jaxpr(closed, shape, *args)
         check_loss(out[0] if has_aux else out, tuple(axes), "fsdp", "FullyShard.value_and_grad")
         return out
 

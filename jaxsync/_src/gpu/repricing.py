@@ -199,7 +199,8 @@ def lift_to_callers(
     lift = _lifter(comps, runs)
     out: dict[str, float] = {}
     for name, us in table.items():
-        out[lift(name)] = out.get(lift(name), 0.0) + us
+        at = lift(name)
+        out[at] = out.get(at, 0.0) + us
     return out
 
 

@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from ..core.axes import AxisName, axes_size, bound_axes, normalize_axes, to_varying
+from ..core.grad_program import run_jaxpr
 from ..core.grad_program import value_and_grad as program_value_and_grad
 from ..core.names import group_trees, in_group, param_name
 from ..layout.layout import Layout
@@ -296,12 +297,9 @@ def sync_value_and_grad(
     check_taps(closed.jaxpr, tuple(specs), plan.axes, acc is not None)
     if held and not reshard:
         closed = keep_gathered(closed, held)
-    out_tree = jax.tree.structure(out_shape)
 
     def traced(free_leaves: list[Any], sinks: dict[str, Any]) -> Any:
-        flat = jax.tree.leaves((free_leaves, sinks))
-        flat = jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *flat)
-        return jax.tree.unflatten(out_tree, flat)
+        return run_jaxpr(closed, out_shape, free_leaves, sinks)
 
     grad_fn = program_value_and_grad(traced, argnums=(0, 1), has_aux=has_aux)
     out, (g_free, g_sinks) = grad_fn(free_in, sinks)

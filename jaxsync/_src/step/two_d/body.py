@@ -23,6 +23,7 @@ import jax.numpy as jnp
 
 from ...core.axes import to_varying, varying_axes
 from ...core.cpu_order import on_cpu
+from ...core.grad_program import run_jaxpr
 from ...core.grad_program import value_and_grad as program_value_and_grad
 from ...core.names import group_of
 from ...fsdp.grad import split_microbatches
@@ -118,11 +119,9 @@ def spec_body(cfg: Any, plan: Any, state: TrainState, batch: Any) -> tuple[Train
     closed, shape = jax.make_jaxpr(f, return_shape=True)(diff, acc, last)
     if cfg.stacked:
         check_taps(closed.jaxpr, tuple(groups), data, once)
-    out_tree = jax.tree.structure(shape)
 
     def traced(diff: dict, acc: list | None, b: Any) -> Any:
-        flat = jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *jax.tree.leaves((diff, acc, b)))
-        return jax.tree.unflatten(out_tree, flat)
+        return run_jaxpr(closed, shape, diff, acc, b)
 
     grad_fn = program_value_and_grad(traced, has_aux=True)
     if k == 1 or once:
