@@ -15,7 +15,7 @@ whichever JAX is installed).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from jax.extend import core as jcore
@@ -65,3 +65,34 @@ def scan_keeping(e: Any, jaxpr: Any, keep: Sequence[bool]) -> dict:
     if "linear" in params:
         params["linear"] = tuple(f for f, k in zip(params["linear"], keep, strict=True) if k)
     return params
+
+
+#: ``jax.checkpoint``'s primitive, by the names JAX versions give it.
+REMAT = ("remat2", "checkpoint")
+
+
+def rewrite_programs(e: Any, rewrite: Callable[[Any], tuple[Any, bool]]) -> tuple[dict, bool]:
+    """The equation's params with every program it holds (a jaxpr, closed or open, alone
+    or in a tuple: a scan's body, a cond's branches, a remat's) passed through
+    ``rewrite`` (open jaxpr -> ``(jaxpr, changed)``), and whether any changed."""
+    params, changed = {}, False
+    for key, value in e.params.items():
+        params[key], hit = _rewrite_value(value, rewrite)
+        changed |= hit
+    return params, changed
+
+
+def _rewrite_value(value: Any, rewrite: Callable[[Any], tuple[Any, bool]]) -> tuple[Any, bool]:
+    if isinstance(value, jcore.ClosedJaxpr):
+        jaxpr, hit = rewrite(value.jaxpr)
+        return (jcore.ClosedJaxpr(jaxpr, value.consts) if hit else value), hit
+    if isinstance(value, jcore.Jaxpr):
+        return rewrite(value)
+    if isinstance(value, tuple | list) and any(
+        isinstance(v, jcore.ClosedJaxpr | jcore.Jaxpr) for v in value
+    ):
+        subs = [_rewrite_value(v, rewrite) for v in value]
+        if not any(hit for _, hit in subs):
+            return value, False
+        return type(value)(v for v, _ in subs), True
+    return value, False

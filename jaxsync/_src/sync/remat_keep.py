@@ -25,11 +25,9 @@ from typing import Any
 import jax
 from jax.extend import core as jcore
 
+from ..core.jaxpr_compat import REMAT, rewrite_programs
 from .tap_rules import FSDP_GATHER, custom_name, tap_group
 from .views import GATHERED
-
-#: jax.checkpoint's primitive, by the names JAX versions give it.
-REMAT = ("remat2", "checkpoint")
 
 
 def keep_gathered(closed: Any, groups: Collection[str]) -> Any:
@@ -59,29 +57,12 @@ def _keep(jaxpr: Any, gathers: Callable[[Any], bool]) -> tuple[Any, bool]:
             eqns.append(eqn)
             found = True
             continue
-        params, inner = {}, False
-        for key, value in eqn.params.items():
-            params[key], hit = _sub(value, gathers)
-            inner |= hit
+        params, inner = rewrite_programs(eqn, lambda j: _keep(j, gathers))
         if inner and eqn.primitive.name in REMAT:
             params["policy"] = keeping(params.get("policy"))
         eqns.append(eqn.replace(params=params) if inner else eqn)
         found |= inner
     return (jaxpr.replace(eqns=eqns) if found else jaxpr), found
-
-
-def _sub(value: Any, gathers: Callable[[Any], bool]) -> tuple[Any, bool]:
-    if isinstance(value, jcore.ClosedJaxpr):
-        jaxpr, hit = _keep(value.jaxpr, gathers)
-        return (jcore.ClosedJaxpr(jaxpr, value.consts) if hit else value), hit
-    if isinstance(value, jcore.Jaxpr):
-        return _keep(value, gathers)
-    if isinstance(value, tuple | list) and any(
-        isinstance(v, jcore.ClosedJaxpr | jcore.Jaxpr) for v in value
-    ):
-        subs = [_sub(v, gathers) for v in value]
-        return type(value)(v for v, _ in subs), any(h for _, h in subs)
-    return value, False
 
 
 def keeping(policy: Any) -> Any:
