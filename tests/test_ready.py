@@ -118,3 +118,80 @@ def test_a_llama_zero_step_for_h100s_no_longer_holds_the_logits_cotangent(monkey
     dlogits = cfg.batch_per_device * cfg.seq * cfg.vocab * 2 / 2**20
     dw = cfg.d_model * cfg.vocab * 2 / 2**20
     assert untied - tied >= (dlogits - dw) / 2, (untied, tied)
+
+
+def _fsdp_step(mesh, cfg):
+    loss = functools.partial(llama.scanned_loss, heads=cfg.heads, kv_heads=cfg.kv_heads,
+                             dtype=jnp.bfloat16)  # fmt: skip
+    policy = jaxsync.MixedPrecision(param_dtype=jnp.bfloat16)
+    step = jaxsync.train_step(loss, optax.adamw(1e-4), mesh, jaxsync.FSDP(policy=policy),
+                              stacked="blocks")  # fmt: skip
+    shapes = jax.eval_shape(lambda: llama.device_params(cfg))
+    tokens = jax.ShapeDtypeStruct((mesh.size * cfg.batch_per_device, cfg.seq + 1), jnp.int32)
+    return step.lower(step.abstract_state(shapes), tokens)
+
+
+def test_an_fsdp_heads_matmul_is_tied_not_its_reduced_gradient(mesh8, monkeypatch):
+    """FSDP's head gradient leaves the program reduce-scattered from its unit's pack:
+    the matmul that made it is tied (its result, not the reduction's)."""
+    cfg = llama.SIZES["quick"]
+    seen, tie = [], grad_program.ready_first
+
+    def spy(closed):
+        seen.append((closed, tie(closed)))
+        return seen[-1][1]
+
+    monkeypatch.setattr(grad_program, "ready_first", spy)
+    _fsdp_step(mesh8, cfg)
+    closed, tied = seen[-1]
+    (barrier,) = [e for e in tied.jaxpr.eqns if e.primitive.name == "optimization_barrier"]
+    made = {v: e for e in closed.jaxpr.eqns for v in e.outvars}
+    held = barrier.invars[:-1]
+    assert {made[v].primitive.name for v in held} == {"dot_general"}
+    assert {tuple(sorted(v.aval.shape)) for v in held} == {tuple(sorted((cfg.d_model, cfg.vocab)))}
+    assert not set(held) & set(closed.jaxpr.outvars)  # the results are reduce-scattered
+    # the rule that ties only a program's results finds nothing to tie here
+    monkeypatch.setattr(ready, "_matmuls_behind", lambda *a: [])
+    assert tie(closed) is closed
+
+
+def test_an_fsdp_step_for_h100s_no_longer_holds_the_logits_cotangent(monkeypatch):
+    cfg = llama.SIZES["quick"]
+    mesh = jaxsync.gpu_topology("h100", hosts=1, gpus_per_host=2)
+
+    def held_mib():
+        stats = _fsdp_step(mesh, cfg).compile().memory_analysis()
+        return (stats.argument_size_in_bytes + stats.temp_size_in_bytes) / 2**20
+
+    tied = held_mib()
+    monkeypatch.setattr(ready, "_matmuls_behind", lambda *a: [])
+    untied = held_mib()
+    dlogits = cfg.batch_per_device * cfg.seq * cfg.vocab * 2 / 2**20
+    dw = cfg.d_model * cfg.vocab * 2 / 2**20
+    assert untied - tied >= (dlogits - dw) / 2, (untied, tied)
+
+
+def test_a_returned_activation_the_loop_waits_on_is_not_tied():
+    """The logits returned as an aux are made by a matmul whose inputs outweigh them,
+    and the backward loop's input is computed from them: computed before the loop
+    anyway, they are not tied; the head's gradient, computed from them, is. The
+    rewritten program runs and gives ``jax.value_and_grad``'s values exactly."""
+
+    def loss(params, x, y):
+        def body(h, w):
+            return jnp.tanh(h @ w) + h, None
+
+        h, _ = jax.lax.scan(jax.checkpoint(body), x @ params["inp"], params["blocks"])
+        logits = h @ params["head"]
+        ce = -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), y[:, None], axis=1))
+        return ce, logits
+
+    args = _args(tokens=64, vocab=8, seed=2)  # h [64, 16] outweighs the logits [64, 8]
+    closed = jax.make_jaxpr(jax.value_and_grad(loss, has_aux=True))(*args)
+    tied = ready.ready_first(closed)
+    (barrier,) = [e for e in tied.jaxpr.eqns if e.primitive.name == "optimization_barrier"]
+    assert [tuple(v.aval.shape) for v in barrier.invars[:-1]] == [(D, 8)]  # the head's dW
+    want = jax.jit(jax.value_and_grad(loss, has_aux=True))(*args)
+    got = jax.jit(grad_program.value_and_grad(loss, has_aux=True))(*args)
+    for w, g in zip(jax.tree.leaves(want), jax.tree.leaves(got), strict=True):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))

@@ -10,7 +10,11 @@ quarter of that. :func:`ready_first` ties each such gradient to the loop's input
 with an ``optimization_barrier``, so the loop cannot start before it is computed;
 its inputs then die before the loop. Only a gradient made by a matmul whose inputs
 (those not already held as the program's arguments) are larger than it is tied: one
-that would hold more than it frees is left where XLA puts it. No value changes.
+that would hold more than it frees is left where XLA puts it. An FSDP unit's gradient
+leaves the program reduce-scattered from a pack of its params' gradients; there the
+matmul's own result is tied, and the pack and reduction follow it (8 x H100,
+Llama-style 1.1B, FSDP: 6400 -> 6099 MiB per GPU, XLA's timeline 144.4 -> 145.3 ms).
+No value changes.
 """
 
 from __future__ import annotations
@@ -30,6 +34,8 @@ _SCAN = jcore.primitives.scan_p
 #: Ops a gradient may pass through between its matmul and the program's output: the
 #: conversions a broadcast may pass through (:data:`sink.RETYPES`) and layout changes.
 _RESHAPES = RETYPES | {"transpose", "reshape", "squeeze", "expand_dims"}
+#: ... and the ops that pack gradients into a unit's flat array and reduce it there.
+_PACKS = _RESHAPES | {"pad", "add_any", "concatenate", "slice", "mul", "reduce_scatter"}
 
 
 def ready_first(closed: Any) -> Any:
@@ -45,7 +51,8 @@ def ready_first(closed: Any) -> Any:
         return closed
     after = _depend_on(jaxpr, loop)
     invars, barriers, swap = list(loop.invars), [], {}
-    for k, group in _ties(loop, _ready_gradients(jaxpr, after)):
+    ready = _independent(jaxpr, _ready_gradients(jaxpr, after, _feeding(jaxpr, loop)))
+    for k, group in _ties(loop, ready):
         held = [*group, invars[k]]
         tied = [jcore.Var(v.aval) for v in held]
         barriers.append(
@@ -55,15 +62,35 @@ def ready_first(closed: Any) -> Any:
         swap.update(zip(group, tied[:-1], strict=True))
     if not barriers:
         return closed
-    late = [e is loop or any(isinstance(v, jcore.Var) and v in after for v in e.invars)
-            for e in jaxpr.eqns]  # fmt: skip
+    # after the barriers: the loop, what reads its results, and what reads a tied value
+    waits, late = set(after) | set(swap), []
+    for e in jaxpr.eqns:
+        late.append(e is loop or any(isinstance(v, jcore.Var) and v in waits for v in e.invars))
+        if late[-1]:
+            waits.update(e.outvars)
     before = [e for e, x in zip(jaxpr.eqns, late, strict=True) if not x]
-    rest = [e.replace(invars=invars) if e is loop else e
+    rest = [e.replace(invars=invars) if e is loop else _swapped(e, swap)
             for e, x in zip(jaxpr.eqns, late, strict=True) if x]  # fmt: skip
     outvars = [swap.get(v, v) if isinstance(v, jcore.Var) else v for v in jaxpr.outvars]
     return jcore.ClosedJaxpr(
         jaxpr.replace(eqns=[*before, *barriers, *rest], outvars=outvars), closed.consts
     )
+
+
+def _independent(jaxpr: Any, ready: list) -> list:
+    """``ready`` less each value computed from another of them: a barrier holds values
+    made before it, and what reads a tied value runs after it."""
+    tainted: set = set()
+    for e in jaxpr.eqns:
+        if any(isinstance(v, jcore.Var) and (v in tainted or v in ready) for v in e.invars):
+            tainted.update(e.outvars)
+    return [v for v in ready if v not in tainted]
+
+
+def _swapped(e: Any, swap: dict) -> Any:
+    if not any(isinstance(v, jcore.Var) and v in swap for v in e.invars):
+        return e
+    return e.replace(invars=[swap.get(v, v) if isinstance(v, jcore.Var) else v for v in e.invars])
 
 
 def _ties(loop: Any, ready: list) -> list[tuple[int, list]]:
@@ -95,14 +122,40 @@ def _depend_on(jaxpr: Any, loop: Any) -> set:
     return after
 
 
-def _ready_gradients(jaxpr: Any, after: set) -> list:
-    """The program's results that do not wait for the loop, each made by a matmul
-    whose inputs (other than the program's arguments) outweigh it."""
+def _feeding(jaxpr: Any, loop: Any) -> set:
+    """Every value the loop's operands are computed from (a value tied to the loop's
+    input must not be one: the barrier would wait for itself)."""
+    made = {v: e for e in jaxpr.eqns for v in e.outvars}
+    seen: set = set()
+    todo = [v for v in loop.invars if isinstance(v, jcore.Var)]
+    while todo:
+        v = todo.pop()
+        if v in seen:
+            continue
+        seen.add(v)
+        if v in made:
+            todo.extend(x for x in made[v].invars if isinstance(x, jcore.Var))
+    return seen
+
+
+def _ready_gradients(jaxpr: Any, after: set, feeding: set) -> list:
+    """Values to compute before the loop: each program result that does not wait for
+    it and is made by a matmul (through layout changes) whose inputs, other than the
+    program's arguments, outweigh it; else each such matmul's own result, found
+    through the packing and reduction that follow it (an FSDP unit's gradient,
+    reduce-scattered from a pack of its params' gradients)."""
     args = set(jaxpr.invars) | set(jaxpr.constvars)
     made = {v: e for e in jaxpr.eqns for v in e.outvars}
+
+    def outweighs(dot: Any, v: Any) -> bool:
+        inputs = [x for x in dot.invars if isinstance(x, jcore.Var) and x not in args]
+        return sum(_nbytes(x.aval) for x in inputs) > _nbytes(v.aval)
+
     ready: list = []
     for out in jaxpr.outvars:
         if not isinstance(out, jcore.Var) or out in after or out in args or out in ready:
+            continue
+        if out in feeding:  # computed before the loop anyway
             continue
         v = out
         while v in made and made[v].primitive.name in _RESHAPES:
@@ -110,12 +163,31 @@ def _ready_gradients(jaxpr: Any, after: set) -> list:
                 break
             v = made[v].invars[0]
         dot = made.get(v)
-        if dot is None or dot.primitive.name != "dot_general":
+        if dot is not None and dot.primitive.name == "dot_general":
+            if outweighs(dot, out):
+                ready.append(out)
             continue
-        inputs = [x for x in dot.invars if isinstance(x, jcore.Var) and x not in args]
-        if sum(_nbytes(x.aval) for x in inputs) > _nbytes(out.aval):
-            ready.append(out)
+        for r in _matmuls_behind(out, made, args):
+            if r not in feeding and r not in ready and outweighs(made[r], r):
+                ready.append(r)
     return ready
+
+
+def _matmuls_behind(out: Any, made: dict, args: set) -> list:
+    """The results of the matmuls ``out`` is packed and reduced from (through
+    :data:`_PACKS`)."""
+    found, seen, todo = [], set(), [out]
+    while todo:
+        v = todo.pop()
+        if v in seen or v in args or v not in made:
+            continue
+        seen.add(v)
+        e = made[v]
+        if e.primitive.name == "dot_general":
+            found.append(v)
+        elif e.primitive.name in _PACKS:
+            todo.extend(x for x in e.invars if isinstance(x, jcore.Var))
+    return found
 
 
 def _nbytes(aval: Any) -> int:
