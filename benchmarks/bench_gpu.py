@@ -25,6 +25,8 @@ AdamW with clipping at global norm 1.0:
   jaxsync_zero ``train_step(mode="zero", stacked="blocks")``, bf16 params, fp32 master
   jaxsync_zero_bf16rs  the same with ``reduce_dtype=bf16`` (gradients reduced in bf16,
                as GSPMD does)
+  jaxsync_zero_keep  the same with ``reshard_after_forward=False``: each layer gathered
+               once per step, in the forward, and kept for the backward
   jaxsync_fsdp ``train_step(mode="fsdp", stacked="blocks")``, bf16 compute policy
   jaxsync_fsdp_bf16rs  the same with the policy's ``reduce_dtype=bf16``
   jaxsync_fsdp_keep  the same, the layer body's remat keeping each gathered layer
@@ -289,7 +291,7 @@ def jaxsync_cases(cfg, mesh, tokens) -> list[Case]:
         ("jaxsync_ddp_bf16rs", "ddp", F32, {"reduce_dtype": BF16}, None),
         ("jaxsync_zero", "zero", BF16, {}, None),
         ("jaxsync_zero_bf16rs", "zero", BF16, {"reduce_dtype": BF16}, None),
-        ("jaxsync_zero_reshard", "zero", BF16, {"reshard_after_forward": True}, None),
+        ("jaxsync_zero_keep", "zero", BF16, {"reshard_after_forward": False}, None),
         ("jaxsync_fsdp", "fsdp", F32, {"policy": policy}, None),
         ("jaxsync_fsdp_bf16rs", "fsdp", F32, {"policy": bf16rs}, None),
         ("jaxsync_fsdp_keep", "fsdp", F32, {"policy": policy}, keep),
@@ -319,7 +321,7 @@ def ring_bytes(report: jaxsync.ScheduleReport, n: int) -> float:
 REFERENCE = {"jaxsync_ddp": "replicated", "jaxsync_ddp_cast": "replicated",
              "jaxsync_ddp_bf16rs": "replicated",
              "jaxsync_zero": "gspmd_zero1", "jaxsync_zero_bf16rs": "gspmd_zero1",
-             "jaxsync_zero_reshard": "gspmd_zero1",
+             "jaxsync_zero_keep": "gspmd_zero1",
              "jaxsync_fsdp": "gspmd_fsdp", "jaxsync_fsdp_bf16rs": "gspmd_fsdp",
              "jaxsync_fsdp_keep": "gspmd_fsdp"}  # fmt: skip
 

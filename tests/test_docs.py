@@ -601,7 +601,8 @@ def check_gpu_target(ns: dict, ctx: SimpleNamespace) -> None:
     # per layer, a reduce-scatter in the backward loop, async, with compute beside it
     sites = jaxsync.overlap_report(report.hlo_text)
     bwd = {c.computation for c in sites.in_loop("reduce-scatter", role="backward")}
-    timed = [c for c in report.collectives if c.computation in bwd]
+    timed = [c for c in report.collectives
+             if c.computation in bwd and c.kind == "reduce-scatter"]  # fmt: skip
     assert timed and all(c.overlap_ops > 0 and not c.is_sync for c in timed)
     # memory per GPU between steps: fp32 master and both AdamW moments 1/64, and no
     # bf16 params (the stacked group lives in the master shards, gathered per layer)

@@ -123,8 +123,9 @@ def _gathered_tap(spec: TapSpec, rows: tuple[jax.Array, ...], sinks: Any, acc: A
             what = f"master rows of shape {tuple(row.shape)}; one layer's row has shape {want}"
             raise ValueError(WHOLE_STACK.format(group=spec.group, what=what))
     layer = _tap_of(spec.group, True)(spec, rows, sinks, acc)
-    # Named, so a remat policy keeps the gathered layer for the backward (ZeRO's
-    # step adds the name to every policy around the tap: remat_keep.keep_gathered).
+    # Named, so a remat policy can keep the gathered layer for the backward (ZeRO
+    # with reshard_after_forward=False adds the name to every policy around the tap:
+    # remat_keep.keep_gathered).
     return jax.tree.map(lambda x: checkpoint_name(x, GATHERED), layer)
 
 

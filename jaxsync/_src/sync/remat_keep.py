@@ -1,19 +1,17 @@
-"""ZeRO keeps each layer it gathered in the forward for the backward, whatever the remat.
+"""ZeRO can keep each layer it gathered in the forward for the backward, whatever the remat.
 
 A 1-D ``"zero"`` step gathers its stacked layers in the forward (see
 :mod:`jaxsync._src.step.held`). A scanned layer body is usually rematerialised
 (``jax.checkpoint``), and its policy rarely saves the gathered params, so the
-backward would gather each layer again: 50% more param traffic than ZeRO's one
-gather per step, in a loop that is already reduce-scattering. Megatron-Core keeps
-its whole param buffer instead. Here every ``jax.checkpoint`` around a held
-group's tap saves the tap's output too (``GATHERED``, added to its policy), so
-the step gathers each layer once and holds the gathered params from the forward
-to the backward: the memory of the params whole, which the old ZeRO state held
-between steps anyway. Measured on the Llama-style models of ``bench_gpu``
-(XLA defaults, the scheduler's timeline): 1.1B on 8 x H100 152.4 -> 148.7 ms,
-7.2B on 64 x H100 500.8 -> 425.6 ms. ``jaxsync.ZeRO(reshard_after_forward=True)``
-gathers again in the backward instead, for the lowest peak memory. FSDP's
-``reshard_after_forward=False`` keeps its gathered units the same way
+backward gathers each layer again: ``jaxsync.ZeRO()``'s default, as FSDP's. With
+``reshard_after_forward=False`` every ``jax.checkpoint`` around a held group's tap
+saves the tap's output too (``GATHERED``, added to its policy), so the step gathers
+each layer once and holds the gathered params from the forward to the backward: the
+memory of the params whole, as Megatron-Core's param buffer. It was the default
+while the backward's gathers ran exposed (1.1B on 8 x H100 152.4 -> 148.7 ms on XLA's
+timeline, 7.2B on 64 x H100 500.8 -> 425.6 ms); since the gradient program lets XLA
+issue them a layer ahead (:mod:`jaxsync._src.core.loop_remat`), keeping saves no
+time. FSDP's ``reshard_after_forward=False`` keeps its gathered units the same way
 (:func:`keep_fsdp_gathered`).
 """
 
