@@ -106,8 +106,8 @@ class ZeRO(_Bucketed):
         again in the backward (FSDP's reshard; the default). The backward gathers the
         next layer while it computes this one, so the second gather costs no step time
         on XLA's model of H100s (Llama-style 1.1B on 8: 146.4 ms kept, 144.0
-        resharded; 7.2B on 64: 412.5 / 399.7 ms) and frees the params whole (7791 ->
-        6036 MiB, 20412 -> 7688 MiB per GPU). False keeps the gathered layers for the
+        resharded; 7.2B on 64: 412.5 / 399.7 ms) and frees the params whole (7792 ->
+        6037 MiB, 20412 -> 7688 MiB per GPU). False keeps the gathered layers for the
         backward, whatever the layer body's remat policy (the memory of the params
         whole, as ZeRO-1 holds them): each layer gathered once per step.
 
