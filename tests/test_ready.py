@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import sys
 
 import jax
@@ -118,6 +119,7 @@ def test_a_llama_zero_step_for_h100s_no_longer_holds_the_logits_cotangent(monkey
     dlogits = cfg.batch_per_device * cfg.seq * cfg.vocab * 2 / 2**20
     dw = cfg.d_model * cfg.vocab * 2 / 2**20
     assert untied - tied >= (dlogits - dw) / 2, (untied, tied)
+    print("MIB", untied, tied, dlogits, dw)
 
 
 def _fsdp_step(mesh, cfg):
@@ -155,20 +157,27 @@ def test_an_fsdp_heads_matmul_is_tied_not_its_reduced_gradient(mesh8, monkeypatc
     assert tie(closed) is closed
 
 
-def test_an_fsdp_step_for_h100s_no_longer_holds_the_logits_cotangent(monkeypatch):
+def _head_gradient_before_the_backward_loop(cfg) -> bool:
+    """Whether the compiled FSDP step for two H100s runs the head's weight-gradient
+    matmul before its backward layer loop (the last loop of its entry computation)."""
+    hlo = _fsdp_step(jaxsync.gpu_topology("h100", hosts=1, gpus_per_host=2), cfg).compile()
+    entry = hlo.as_text().split("\nENTRY ", 1)[1].split("\n}\n", 1)[0].splitlines()
+    loop = max(i for i, line in enumerate(entry) if " while(" in line)
+    head = {f"bf16[{cfg.d_model},{cfg.vocab}]", f"bf16[{cfg.vocab},{cfg.d_model}]"}
+    (dw,) = [i for i, line in enumerate(entry)
+             if line.split(" = ", 1)[-1].split("{", 1)[0] in head
+             and (re.match(r"\s*%\S*gemm\S* = ", line) or "__cublas" in line)]  # fmt: skip
+    return dw < loop
+
+
+def test_an_fsdp_step_for_h100s_computes_the_heads_gradient_before_the_loop(monkeypatch):
+    """Tied, the head's gradient is computed before the backward loop and the logits'
+    cotangent dies there (8 x H100, Llama-style 1.1B: 6400 -> 6099 MiB on jax 0.10.2,
+    6418 -> 6241 on 0.12); left to XLA (every version tried), it runs after the loop."""
     cfg = llama.SIZES["quick"]
-    mesh = jaxsync.gpu_topology("h100", hosts=1, gpus_per_host=2)
-
-    def held_mib():
-        stats = _fsdp_step(mesh, cfg).compile().memory_analysis()
-        return (stats.argument_size_in_bytes + stats.temp_size_in_bytes) / 2**20
-
-    tied = held_mib()
+    assert _head_gradient_before_the_backward_loop(cfg)
     monkeypatch.setattr(ready, "_matmuls_behind", lambda *a: [])
-    untied = held_mib()
-    dlogits = cfg.batch_per_device * cfg.seq * cfg.vocab * 2 / 2**20
-    dw = cfg.d_model * cfg.vocab * 2 / 2**20
-    assert untied - tied >= (dlogits - dw) / 2, (untied, tied)
+    assert not _head_gradient_before_the_backward_loop(cfg)
 
 
 def test_a_returned_activation_the_loop_waits_on_is_not_tied():
