@@ -44,6 +44,10 @@ SIZES = {
     # 87 GB; with remat 2 rows add a few GB (1b at 4 rows: 3.5-6 GB of temps). Estimated.
     "7b": Config(vocab=32000, seq=2048, d_model=4096, heads=32, kv_heads=8, ffn=14336,
                  layers=32, batch_per_device=2),
+    # Llama-3.2-3B's shape, which the library was not tuned on: a 128256-token vocab
+    # (embedding and head 0.4B params each), GQA 24/8; ~3.6B params untied.
+    "3b": Config(vocab=128256, seq=2048, d_model=3072, heads=24, kv_heads=8, ffn=8192,
+                 layers=28, batch_per_device=2),
 }  # fmt: skip
 
 
