@@ -264,3 +264,26 @@ def train_beside_optax(step, state, tx, ref, loss_fn, batches):
         ref = optax.apply_updates(ref, upd)
         np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
     return state, ref
+
+
+def lowered_llama_step(mesh, mode, *, param_dtype=None, size="quick"):
+    """``benchmarks/llama.py``'s scanned model (bf16 compute, AdamW, ``stacked="blocks"``)
+    as a ``mode`` step lowered for ``mesh`` (compile-only GPUs too) on abstract state and
+    tokens: the programs the tests of the gradient program's rewrites compile.
+    ``param_dtype``: the params' dtype (default: the model's fp32)."""
+    import os
+    import sys
+
+    import optax
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
+    import llama
+
+    cfg = llama.SIZES[size]
+    loss = partial(llama.scanned_loss, heads=cfg.heads, kv_heads=cfg.kv_heads, dtype=jnp.bfloat16)
+    step = jaxsync.train_step(loss, optax.adamw(1e-4), mesh, mode, stacked="blocks")
+    shapes = jax.eval_shape(lambda: llama.device_params(cfg))
+    if param_dtype is not None:
+        shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, param_dtype), shapes)
+    tokens = jax.ShapeDtypeStruct((mesh.size * cfg.batch_per_device, cfg.seq + 1), jnp.int32)
+    return step.lower(step.abstract_state(shapes), tokens)

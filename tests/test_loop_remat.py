@@ -11,22 +11,16 @@ the backward loop, like the forward one, carries the next layer's gather.
 
 from __future__ import annotations
 
-import functools
-import os
 import re
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
+from helpers import lowered_llama_step
 
 import jaxsync
 from jaxsync._src.core import grad_program, loop_remat
 from jaxsync._src.core.jaxpr_compat import REMAT, rewrite_programs
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
-import llama  # noqa: E402
 
 D, L = 8, 3
 
@@ -116,14 +110,8 @@ def _loops_carrying_a_gather(hlo: str) -> int:
 
 
 def _fsdp_step_hlo() -> str:
-    cfg = llama.SIZES["quick"]
     mesh = jaxsync.gpu_topology("h100", hosts=1, gpus_per_host=2)
-    loss = functools.partial(llama.scanned_loss, heads=cfg.heads, kv_heads=cfg.kv_heads,
-                             dtype=jnp.bfloat16)  # fmt: skip
-    step = jaxsync.train_step(loss, optax.adamw(1e-4), mesh, "fsdp", stacked="blocks")
-    shapes = jax.eval_shape(lambda: llama.device_params(cfg))
-    tokens = jax.ShapeDtypeStruct((2 * cfg.batch_per_device, cfg.seq + 1), jnp.int32)
-    return step.lower(step.abstract_state(shapes), tokens).compile().as_text()
+    return lowered_llama_step(mesh, "fsdp").compile().as_text()
 
 
 def test_an_fsdp_step_for_h100s_gathers_the_next_layer_in_the_backward_too(monkeypatch):

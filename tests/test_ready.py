@@ -10,7 +10,6 @@ step for H100s.
 
 from __future__ import annotations
 
-import functools
 import os
 import re
 import sys
@@ -18,7 +17,7 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
+from helpers import lowered_llama_step
 
 import jaxsync
 from jaxsync._src.core import grad_program, ready
@@ -96,41 +95,28 @@ def test_a_program_without_a_backward_loop_is_left_alone():
     assert ready.ready_first(closed) is closed
 
 
-def _held_mib(cfg) -> float:
+def _held_mib() -> float:
     """Arguments + temporaries per GPU of a Llama-style ZeRO step on two H100s."""
     mesh = jaxsync.gpu_topology("h100", hosts=1, gpus_per_host=2)
-    loss = functools.partial(llama.scanned_loss, heads=cfg.heads, kv_heads=cfg.kv_heads,
-                             dtype=jnp.bfloat16)  # fmt: skip
-    step = jaxsync.train_step(loss, optax.adamw(1e-4), mesh, "zero", stacked="blocks")
-    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.bfloat16),
-                          jax.eval_shape(lambda: llama.device_params(cfg)))  # fmt: skip
-    tokens = jax.ShapeDtypeStruct((2 * cfg.batch_per_device, cfg.seq + 1), jnp.int32)
-    stats = step.lower(step.abstract_state(shapes), tokens).compile().memory_analysis()
+    lowered = lowered_llama_step(mesh, "zero", param_dtype=jnp.bfloat16)
+    stats = lowered.compile().memory_analysis()
     return (stats.argument_size_in_bytes + stats.temp_size_in_bytes) / 2**20
 
 
 def test_a_llama_zero_step_for_h100s_no_longer_holds_the_logits_cotangent(monkeypatch):
     cfg = llama.SIZES["quick"]
-    tied = _held_mib(cfg)
+    tied = _held_mib()
     monkeypatch.setattr(grad_program, "ready_first", lambda closed: closed)
-    untied = _held_mib(cfg)
+    untied = _held_mib()
     # left to XLA, the head's gradient is computed after the backward loop, holding the
     # logits' cotangent (bf16 [rows, seq, vocab]) across it instead of the gradient
     dlogits = cfg.batch_per_device * cfg.seq * cfg.vocab * 2 / 2**20
     dw = cfg.d_model * cfg.vocab * 2 / 2**20
     assert untied - tied >= (dlogits - dw) / 2, (untied, tied)
-    print("MIB", untied, tied, dlogits, dw)
 
 
-def _fsdp_step(mesh, cfg):
-    loss = functools.partial(llama.scanned_loss, heads=cfg.heads, kv_heads=cfg.kv_heads,
-                             dtype=jnp.bfloat16)  # fmt: skip
-    policy = jaxsync.MixedPrecision(param_dtype=jnp.bfloat16)
-    step = jaxsync.train_step(loss, optax.adamw(1e-4), mesh, jaxsync.FSDP(policy=policy),
-                              stacked="blocks")  # fmt: skip
-    shapes = jax.eval_shape(lambda: llama.device_params(cfg))
-    tokens = jax.ShapeDtypeStruct((mesh.size * cfg.batch_per_device, cfg.seq + 1), jnp.int32)
-    return step.lower(step.abstract_state(shapes), tokens)
+def _fsdp_step(mesh):
+    return lowered_llama_step(mesh, jaxsync.FSDP(policy=jaxsync.MixedPrecision(jnp.bfloat16)))
 
 
 def test_an_fsdp_heads_matmul_is_tied_not_its_reduced_gradient(mesh8, monkeypatch):
@@ -144,7 +130,7 @@ def test_an_fsdp_heads_matmul_is_tied_not_its_reduced_gradient(mesh8, monkeypatc
         return seen[-1][1]
 
     monkeypatch.setattr(grad_program, "ready_first", spy)
-    _fsdp_step(mesh8, cfg)
+    _fsdp_step(mesh8)
     closed, tied = seen[-1]
     (barrier,) = [e for e in tied.jaxpr.eqns if e.primitive.name == "optimization_barrier"]
     made = {v: e for e in closed.jaxpr.eqns for v in e.outvars}
@@ -160,7 +146,7 @@ def test_an_fsdp_heads_matmul_is_tied_not_its_reduced_gradient(mesh8, monkeypatc
 def _head_gradient_before_the_backward_loop(cfg) -> bool:
     """Whether the compiled FSDP step for two H100s runs the head's weight-gradient
     matmul before its backward layer loop (the last loop of its entry computation)."""
-    hlo = _fsdp_step(jaxsync.gpu_topology("h100", hosts=1, gpus_per_host=2), cfg).compile()
+    hlo = _fsdp_step(jaxsync.gpu_topology("h100", hosts=1, gpus_per_host=2)).compile()
     entry = hlo.as_text().split("\nENTRY ", 1)[1].split("\n}\n", 1)[0].splitlines()
     loop = max(i for i, line in enumerate(entry) if " while(" in line)
     head = {f"bf16[{cfg.d_model},{cfg.vocab}]", f"bf16[{cfg.vocab},{cfg.d_model}]"}

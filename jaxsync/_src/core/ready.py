@@ -49,9 +49,12 @@ def ready_first(closed: Any) -> Any:
     loop = next((e for e in jaxpr.eqns if e.primitive is _SCAN and e.params["reverse"]), None)
     if loop is None:
         return closed
-    after = _depend_on(jaxpr, loop)
+    made = {v: e for e in jaxpr.eqns for v in e.outvars}
+    after = _downstream(jaxpr, loop.outvars)  # what waits for the loop
+    candidates = _ready_gradients(jaxpr, made, after, _feeding(made, loop))
+    derived = _downstream(jaxpr, candidates, strict=True)
+    ready = [v for v in candidates if v not in derived]
     invars, barriers, swap = list(loop.invars), [], {}
-    ready = _independent(jaxpr, _ready_gradients(jaxpr, after, _feeding(jaxpr, loop)))
     for k, group in _ties(loop, ready):
         held = [*group, invars[k]]
         tied = [jcore.Var(v.aval) for v in held]
@@ -63,11 +66,9 @@ def ready_first(closed: Any) -> Any:
     if not barriers:
         return closed
     # after the barriers: the loop, what reads its results, and what reads a tied value
-    waits, late = set(after) | set(swap), []
-    for e in jaxpr.eqns:
-        late.append(e is loop or any(isinstance(v, jcore.Var) and v in waits for v in e.invars))
-        if late[-1]:
-            waits.update(e.outvars)
+    waits = _downstream(jaxpr, [*after, *swap])
+    late = [e is loop or any(isinstance(v, jcore.Var) and v in waits for v in e.invars)
+            for e in jaxpr.eqns]  # fmt: skip
     before = [e for e, x in zip(jaxpr.eqns, late, strict=True) if not x]
     rest = [e.replace(invars=invars) if e is loop else _swapped(e, swap)
             for e, x in zip(jaxpr.eqns, late, strict=True) if x]  # fmt: skip
@@ -75,16 +76,6 @@ def ready_first(closed: Any) -> Any:
     return jcore.ClosedJaxpr(
         jaxpr.replace(eqns=[*before, *barriers, *rest], outvars=outvars), closed.consts
     )
-
-
-def _independent(jaxpr: Any, ready: list) -> list:
-    """``ready`` less each value computed from another of them: a barrier holds values
-    made before it, and what reads a tied value runs after it."""
-    tainted: set = set()
-    for e in jaxpr.eqns:
-        if any(isinstance(v, jcore.Var) and (v in tainted or v in ready) for v in e.invars):
-            tainted.update(e.outvars)
-    return [v for v in ready if v not in tainted]
 
 
 def _swapped(e: Any, swap: dict) -> Any:
@@ -113,19 +104,21 @@ def _vma(v: Any) -> frozenset:
     return aval_varying_axes(v.aval)
 
 
-def _depend_on(jaxpr: Any, loop: Any) -> set:
-    """Every value the loop's results flow into (the loop's own included)."""
-    after = set(loop.outvars)
+def _downstream(jaxpr: Any, seeds: Any, strict: bool = False) -> set:
+    """Every value computed from ``seeds`` (the seeds too, unless ``strict``): a value
+    tied before the loop must not be computed from another tied one (a barrier holds
+    values made before it), and what reads a tied value runs after the barrier."""
+    seeds = set(seeds)
+    found = set() if strict else set(seeds)
     for e in jaxpr.eqns:
-        if any(isinstance(v, jcore.Var) and v in after for v in e.invars):
-            after.update(e.outvars)
-    return after
+        if any(isinstance(v, jcore.Var) and (v in found or v in seeds) for v in e.invars):
+            found.update(e.outvars)
+    return found
 
 
-def _feeding(jaxpr: Any, loop: Any) -> set:
+def _feeding(made: dict, loop: Any) -> set:
     """Every value the loop's operands are computed from (a value tied to the loop's
     input must not be one: the barrier would wait for itself)."""
-    made = {v: e for e in jaxpr.eqns for v in e.outvars}
     seen: set = set()
     todo = [v for v in loop.invars if isinstance(v, jcore.Var)]
     while todo:
@@ -138,14 +131,13 @@ def _feeding(jaxpr: Any, loop: Any) -> set:
     return seen
 
 
-def _ready_gradients(jaxpr: Any, after: set, feeding: set) -> list:
+def _ready_gradients(jaxpr: Any, made: dict, after: set, feeding: set) -> list:
     """Values to compute before the loop: each program result that does not wait for
     it and is made by a matmul (through layout changes) whose inputs, other than the
     program's arguments, outweigh it; else each such matmul's own result, found
     through the packing and reduction that follow it (an FSDP unit's gradient,
     reduce-scattered from a pack of its params' gradients)."""
     args = set(jaxpr.invars) | set(jaxpr.constvars)
-    made = {v: e for e in jaxpr.eqns for v in e.outvars}
 
     def outweighs(dot: Any, v: Any) -> bool:
         inputs = [x for x in dot.invars if isinstance(x, jcore.Var) and x not in args]
