@@ -270,7 +270,8 @@ def lowered_llama_step(mesh, mode, *, param_dtype=None, size="quick"):
     """``benchmarks/llama.py``'s scanned model (bf16 compute, AdamW, ``stacked="blocks"``)
     as a ``mode`` step lowered for ``mesh`` (compile-only GPUs too) on abstract state and
     tokens: the programs the tests of the gradient program's rewrites compile.
-    ``param_dtype``: the params' dtype (default: the model's fp32)."""
+    ``param_dtype``: the params' dtype (default: the model's fp32); ``size``: a name in
+    ``llama.SIZES`` or a ``llama.Config``."""
     import os
     import sys
 
@@ -279,7 +280,7 @@ def lowered_llama_step(mesh, mode, *, param_dtype=None, size="quick"):
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
     import llama
 
-    cfg = llama.SIZES[size]
+    cfg = llama.SIZES[size] if isinstance(size, str) else size
     loss = partial(llama.scanned_loss, heads=cfg.heads, kv_heads=cfg.kv_heads, dtype=jnp.bfloat16)
     step = jaxsync.train_step(loss, optax.adamw(1e-4), mesh, mode, stacked="blocks")
     shapes = jax.eval_shape(lambda: llama.device_params(cfg))
