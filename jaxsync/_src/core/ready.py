@@ -48,11 +48,10 @@ def ready_first(closed: Any) -> Any:
     that loop's input; ``closed`` itself where there is nothing to tie, or where an
     equation has an effect other than naming a mesh axis (their order is kept)."""
     jaxpr = closed.jaxpr
-    if any(type(f).__name__ != "NamedAxisEffect" for e in jaxpr.eqns for f in e.effects):
+    at = _backward_loop(jaxpr)
+    if at is None:
         return closed
-    loop = next((e for e in jaxpr.eqns if e.primitive is _SCAN and e.params["reverse"]), None)
-    if loop is None:
-        return closed
+    loop = jaxpr.eqns[at]
     made = {v: e for e in jaxpr.eqns for v in e.outvars}
     after = _downstream(jaxpr, loop.outvars)  # what waits for the loop
     candidates = _ready_gradients(jaxpr, made, after, _feeding(made, loop))
@@ -60,11 +59,8 @@ def ready_first(closed: Any) -> Any:
     ready = [v for v in candidates if v not in derived]
     invars, barriers, swap = list(loop.invars), [], {}
     for k, group in _ties(loop, ready):
-        held = [*group, invars[k]]
-        tied = [jcore.Var(v.aval) for v in held]
-        barriers.append(
-            jcore.new_jaxpr_eqn(held, tied, _barrier(), {}, jcore.no_effects, loop.source_info)
-        )
+        barrier, tied = _tie([*group, invars[k]], loop)
+        barriers.append(barrier)
         invars[k] = tied[-1]
         swap.update(zip(group, tied[:-1], strict=True))
     if not barriers:
@@ -96,10 +92,7 @@ def recompute_late(closed: Any) -> Any:
     the same). Params the loop reads straight from the program's arguments (a shard to
     gather, a cast) stay free to be fetched early. No value changes."""
     jaxpr = closed.jaxpr
-    if any(type(f).__name__ != "NamedAxisEffect" for e in jaxpr.eqns for f in e.effects):
-        return closed
-    at = next((i for i, e in enumerate(jaxpr.eqns)
-               if e.primitive is _SCAN and e.params["reverse"]), None)  # fmt: skip
+    at = _backward_loop(jaxpr)
     if at is None:
         return closed
     loop = jaxpr.eqns[at]
@@ -115,16 +108,29 @@ def recompute_late(closed: Any) -> Any:
         group = [k for k in kinds if _vma(invars[k]) == vma]
         if all(kinds[k] for k in group):
             continue
-        held = [invars[k] for k in group]
-        tied = [jcore.Var(v.aval) for v in held]
-        barriers.append(
-            jcore.new_jaxpr_eqn(held, tied, _barrier(), {}, jcore.no_effects, loop.source_info)
-        )
+        barrier, tied = _tie([invars[k] for k in group], loop)
+        barriers.append(barrier)
         invars = [tied[group.index(k)] if k in group else v for k, v in enumerate(invars)]
     if not barriers:
         return closed
     eqns = [*jaxpr.eqns[:at], *barriers, loop.replace(invars=invars), *jaxpr.eqns[at + 1 :]]
     return jcore.ClosedJaxpr(jaxpr.replace(eqns=eqns), closed.consts)
+
+
+def _backward_loop(jaxpr: Any) -> int | None:
+    """Where ``jaxpr``'s first backward loop (a reverse scan) is; None where it has
+    none, or where an equation has an effect other than naming a mesh axis (their
+    order is kept)."""
+    if any(type(f).__name__ != "NamedAxisEffect" for e in jaxpr.eqns for f in e.effects):
+        return None
+    return next((i for i, e in enumerate(jaxpr.eqns)
+                 if e.primitive is _SCAN and e.params["reverse"]), None)  # fmt: skip
+
+
+def _tie(held: list, loop: Any) -> tuple[Any, list]:
+    """An ``optimization_barrier`` over ``held``, and the values it gives back."""
+    tied = [jcore.Var(v.aval) for v in held]
+    return jcore.new_jaxpr_eqn(held, tied, _barrier(), {}, jcore.no_effects, loop.source_info), tied
 
 
 def _swapped(e: Any, swap: dict) -> Any:
