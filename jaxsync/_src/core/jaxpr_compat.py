@@ -51,6 +51,14 @@ def scan_num_consts(e: Any) -> int:
     return len(consts)
 
 
+def scan_num_carry(e: Any) -> int:
+    """How many of a scan's operands, after its loop constants, are carried."""
+    if "num_carry" in e.params:
+        return e.params["num_carry"]
+    _, carry, _ = e.params["ft_in"].unpack()
+    return len(carry)
+
+
 def scan_keeping(e: Any, jaxpr: Any, keep: Sequence[bool]) -> dict:
     """A scan's params for the body ``jaxpr`` that binds only the operands ``keep``
     marks (one flag per operand; only loop constants may be dropped)."""

@@ -31,7 +31,7 @@ import jax
 from jax.extend import core as jcore
 
 from .axes import aval_varying_axes
-from .jaxpr_compat import scan_num_consts
+from .jaxpr_compat import scan_num_carry, scan_num_consts
 from .sink import RETYPES
 
 _SCAN = jcore.primitives.scan_p
@@ -99,7 +99,7 @@ def recompute_late(closed: Any) -> Any:
     forward = [v for e in jaxpr.eqns[:at]
                if e.primitive is _SCAN and not e.params["reverse"] for v in e.outvars]  # fmt: skip
     computed = _downstream(jaxpr, forward)
-    first, carries = scan_num_consts(loop), loop.params["num_carry"]
+    first, carries = scan_num_consts(loop), scan_num_carry(loop)
     invars = list(loop.invars)
     kinds = {k: first <= k < first + carries for k, v in enumerate(invars)
              if isinstance(v, jcore.Var) and v in computed}  # fmt: skip
