@@ -349,6 +349,12 @@ def test_xla_flags_keep_the_users_pipelining_choice(monkeypatch):
                                                            **apart}  # fmt: skip
     assert step_compiler_options("ddp", two_d=False) == {DOUBLE_BUFFERING: True, **reduce}
     assert step_compiler_options("ddp", two_d=True) == pipelined("reduce_scatter", False)
+    # ... but not a DDP step whose state fills its GPU (DDP_TIGHT_SHARE); the sharded
+    # modes' states do not, and they keep the unrolling at any share
+    assert step_compiler_options("ddp", two_d=False, state=0.5) == {DOUBLE_BUFFERING: False,
+                                                                    **reduce}  # fmt: skip
+    assert step_compiler_options("ddp", two_d=False, state=0.3)[DOUBLE_BUFFERING]
+    assert step_compiler_options("zero", two_d=False, state=0.9)[DOUBLE_BUFFERING]
     # XLA_FLAGS takes the old boolean spelling on every jaxlib: it counts as a choice
     monkeypatch.setenv(
         "XLA_FLAGS",
@@ -493,3 +499,36 @@ def test_a_one_gpu_step_keeps_xla_defaults(mode, monkeypatch):
         batch = jax.ShapeDtypeStruct((gpus * 64, D), jnp.float32)
         hlo = step.lower(step.abstract_state(_stack_params()), batch).compile().as_text()
         assert ("double_buffer_clone" in hlo) is unrolled, gpus
+
+
+@needs_plugin
+def test_a_ddp_step_knows_the_share_of_its_gpu_its_state_takes(monkeypatch):
+    """A DDP step whose replicated state takes over 40% of its GPU is compiled without
+    double-buffered loops (xla_options.DDP_TIGHT_SHARE: XLA's rematerialization then
+    rewrites the backward loop's gradient writes). The share the step passes is its
+    state's bytes per device over the GPU's 80 GiB, counted here by hand."""
+    from jaxsync._src.step import step as step_module
+    from jaxsync._src.step.xla_options import DDP_TIGHT_SHARE
+
+    seen = []
+    real = step_module.step_compiler_options
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("state", 0.0))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(step_module, "step_compiler_options", spy)
+    mesh = jaxsync.gpu_topology("h100", hosts=1)
+    loss = lambda p, x: jnp.mean((x @ p["w"]) ** 2)  # noqa: E731
+    for gib in (2, 16):  # an fp32 param of `gib` GiB, and AdamW's two moments
+        rows = gib * 2**30 // 4 // 1024
+        params = {"w": jax.ShapeDtypeStruct((1024, rows), jnp.float32)}
+        step = jaxsync.train_step(loss, optax.adamw(1e-3), mesh, mode="ddp")
+        step.abstract_state(params)
+        want = 3 * gib / 80
+        assert seen[-1] == pytest.approx(want, rel=1e-6), (gib, seen[-1])
+        assert (seen[-1] > DDP_TIGHT_SHARE) == (gib == 16)
+    # a CPU mesh's memory is not asked: no share, the default options
+    step = jaxsync.train_step(loss, optax.adamw(1e-3), jax.make_mesh((1,), ("data",)), mode="ddp")
+    step.abstract_state({"w": jax.ShapeDtypeStruct((4, 4), jnp.float32)})
+    assert seen[-1] == 0.0

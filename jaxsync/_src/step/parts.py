@@ -46,6 +46,7 @@ class Plan:
     fn: Callable[..., Any]
     dims: Any = None  # a two_d.plan.SpecLayout when params are sharded over other axes
     held: tuple[str, ...] = ()  # ZeRO's stacked groups held as master shards (see held.py)
+    state_share: float = 0.0  # of a GPU's memory, the state per device (xla_options)
 
 
 class LossAux(NamedTuple):

@@ -60,7 +60,7 @@ from .pieces.rng import KeyKind, check_batch_keys, check_key, keyed
 from .shard_tag import check_tag, check_untagged, remember, tagged
 from .train_state import TrainState
 from .two_d.plan import project, spec_layout, spec_master, spec_params
-from .xla_options import step_compiler_options
+from .xla_options import state_share, step_compiler_options
 
 PyTree = Any
 
@@ -191,6 +191,7 @@ class TrainStep:
         return model, params, rest
 
     def _register(self, state: TrainState, plan: Plan) -> None:
+        object.__setattr__(plan, "state_share", state_share(state, self.mesh))
         object.__setattr__(plan, "fn", self._build(plan))
         self._plans[signature(state)] = plan
 
@@ -301,6 +302,7 @@ class TrainStep:
                 compiler_options=step_compiler_options(
                     self.mode.name, two_d=False, layer_bytes=self._layer_bytes(plan),
                     devices=mesh_axes_size(self.mesh, axes, "jaxsync.train_step"),
+                    state=plan.state_share,
                 ),
             )  # fmt: skip
         # Manual over the data axes (and any axis no param uses); the compiler

@@ -23,9 +23,14 @@ wins.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
+import jax
+from jax.sharding import Mesh
+
 from ..core.xla_names import pipelined, set_by_user
+from ..gpu.target import GPUS
 
 #: XLA unrolls a loop twice so that a collective it pipelines across iterations
 #: starts and completes inside one unrolled body. For 1-D steps (1.1B and 7.2B
@@ -34,6 +39,17 @@ from ..core.xla_names import pipelined, set_by_user
 #: 4975 MiB; ZeRO on 64 x H100 683.5 / 508.9 -> 663.3 / 508.4 ms, 5986 -> 5541 MiB;
 #: DDP unchanged to 0.2 ms. Not measured on 2-D steps, which keep XLA's default.
 DOUBLE_BUFFERING = "xla_gpu_enable_while_loop_double_buffering"
+
+#: A DDP step whose state (replicated params and optimizer state) takes more than this
+#: share of its GPU's memory is not double-buffered. XLA rematerializes when its estimate
+#: of a program's peak, made before the scheduler runs, passes 80% of the GPU's memory;
+#: the unrolled body's second iteration puts a large DDP step there, and what it then
+#: recomputes is the backward loop's writes of the reduced gradients. Llama-3.2-3B's
+#: shape on 8 x H100 (state 50% of the GPU): 592.3 -> 549.1 GB of kernel traffic per
+#: step without the unrolling (the replicated step's 566.7), memory and XLA's timeline
+#: the same to 0.1%. Below the share the unrolling saves traffic: 1.1B Llama-style 402.2
+#: -> 391.7 GB, 1.2B GPT 306.3 -> 299.2 (states 16% and 13%).
+DDP_TIGHT_SHARE = 0.4
 
 #: XLA combines independent reduce-scatters up to this many bytes into one. FSDP's
 #: units are its buckets, each reduced when its gradient is ready; combined, the
@@ -57,17 +73,46 @@ REDUCE_SCATTER_COMBINE = "xla_gpu_reduce_scatter_combine_threshold_bytes"
 ALL_GATHER_COMBINE = "xla_gpu_all_gather_combine_threshold_bytes"
 
 
+def state_share(state: Any, mesh: Mesh) -> float:
+    """The share of one GPU's memory that ``state`` (arrays or ``ShapeDtypeStruct``s
+    with shardings) takes on each device; 0 where the GPU's memory is not known (a CPU
+    mesh, a GPU outside :data:`jaxsync.GPUS` that this process cannot ask)."""
+    memory = _device_memory(mesh)
+    if not memory:
+        return 0.0
+    held = 0
+    for x in jax.tree.leaves(state):
+        sharding = getattr(x, "sharding", None)
+        shape = sharding.shard_shape(x.shape) if sharding is not None else x.shape
+        held += math.prod(shape) * x.dtype.itemsize
+    return held / memory
+
+
+def _device_memory(mesh: Mesh) -> int:
+    device = mesh.devices.flat[0]
+    if device.platform != "gpu":
+        return 0
+    local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+    try:
+        return int(local[0].memory_stats()["bytes_limit"])
+    except Exception:  # a compile-only GPU (jaxsync.gpu_topology): its spec's figure
+        spec = next((s for s in GPUS.values() if s.name == device.device_kind), None)
+        return spec.memory_bytes if spec is not None else 0
+
+
 def step_compiler_options(
-    mode: str, two_d: bool, layer_bytes: int = 0, devices: int = 2
+    mode: str, two_d: bool, layer_bytes: int = 0, devices: int = 2, state: float = 0.0
 ) -> dict[str, Any]:
     """The ``jax.jit(compiler_options=...)`` of a step (ignored off GPU); a flag the
     user set in ``XLA_FLAGS`` is left to them. ``layer_bytes``: FSDP's largest
-    gathered layer (:data:`ALL_GATHER_COMBINE`). ``devices``: of a 1-D step's data
-    axes; with one there is no collective for any option to serve, and the step
-    keeps XLA's defaults, as a ``jax.jit`` step gets them. On one H200 (jax 0.11.2,
-    Llama-style 1.1B, command buffers off) each mode's kernels summed to plain
-    ``jax.jit``'s (215.8-216.1 ms) but its step ran 0.4-1.2% longer; the one
-    structural difference was the double-buffered loops (each body twice).
+    gathered layer (:data:`ALL_GATHER_COMBINE`). ``state``: the share of a GPU's
+    memory the step's state takes (:func:`state_share`; :data:`DDP_TIGHT_SHARE`).
+    ``devices``: of a 1-D step's data axes; with one there is no collective for any
+    option to serve, and the step keeps XLA's defaults, as a ``jax.jit`` step gets
+    them. On one H200 (jax 0.11.2, Llama-style 1.1B, command buffers off) each mode's
+    kernels summed to plain ``jax.jit``'s (215.8-216.1 ms) but its step ran 0.4-1.2%
+    longer; the one structural difference was the double-buffered loops (each body
+    twice).
 
     1-D FSDP and DDP, double-buffered, also pipeline their per-layer collectives
     into the neighbouring layer (1.1B Llama-style model, 8 x H100, statistics /
@@ -88,7 +133,7 @@ def step_compiler_options(
     if two_d:
         wanted |= pipelined("reduce_scatter", False)
     else:
-        wanted[DOUBLE_BUFFERING] = True
+        wanted[DOUBLE_BUFFERING] = not (mode == "ddp" and state > DDP_TIGHT_SHARE)
         if mode in ("fsdp", "zero"):
             wanted |= pipelined("all_gather", True)
         if mode in ("fsdp", "zero") and layer_bytes:
