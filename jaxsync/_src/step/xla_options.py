@@ -82,6 +82,8 @@ def state_share(state: Any, mesh: Mesh) -> float:
         return 0.0
     held = 0
     for x in jax.tree.leaves(state):
+        if not (hasattr(x, "shape") and hasattr(x, "dtype")):
+            continue  # a Python number in the state
         sharding = getattr(x, "sharding", None)
         shape = sharding.shard_shape(x.shape) if sharding is not None else x.shape
         held += math.prod(shape) * x.dtype.itemsize
@@ -89,13 +91,15 @@ def state_share(state: Any, mesh: Mesh) -> float:
 
 
 def _device_memory(mesh: Mesh) -> int:
+    """Bytes of memory of one of ``mesh``'s GPUs: what this process's GPU reports, a
+    compile-only GPU's figure in :data:`jaxsync.GPUS`; 0 if neither (a CPU mesh)."""
     device = mesh.devices.flat[0]
     if device.platform != "gpu":
         return 0
     local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
     try:
         return int(local[0].memory_stats()["bytes_limit"])
-    except Exception:  # a compile-only GPU (jaxsync.gpu_topology): its spec's figure
+    except (RuntimeError, IndexError, KeyError, TypeError):  # compile-only: no stats
         spec = next((s for s in GPUS.values() if s.name == device.device_kind), None)
         return spec.memory_bytes if spec is not None else 0
 
