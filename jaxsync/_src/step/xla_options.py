@@ -47,8 +47,12 @@ DOUBLE_BUFFERING = "xla_gpu_enable_while_loop_double_buffering"
 #: recomputes is the backward loop's writes of the reduced gradients. Llama-3.2-3B's
 #: shape on 8 x H100 (state 50% of the GPU): 592.3 -> 549.1 GB of kernel traffic per
 #: step without the unrolling (the replicated step's 566.7), memory and XLA's timeline
-#: the same to 0.1%. Below the share the unrolling saves traffic: 1.1B Llama-style 402.2
-#: -> 391.7 GB, 1.2B GPT 306.3 -> 299.2 (states 16% and 13%).
+#: the same to 0.1%. Below the line the unrolling saves traffic: 1.1B Llama-style 402.2
+#: -> 391.7 GB, 1.2B GPT 306.3 -> 299.2 (states 16% and 13%). The same shape with fewer
+#: layers crossed it between 47.7% (26 layers: unrolled, 491.3 GB, nothing recomputed)
+#: and 50%; the share is set below that for steps with more activations per GPU, and
+#: between it and the line a step pays the unrolling's saving (24 layers, 44.8%: 458.1
+#: -> 479.0 GB, still under the replicated step's 493.4).
 DDP_TIGHT_SHARE = 0.4
 
 #: XLA combines independent reduce-scatters up to this many bytes into one. FSDP's
