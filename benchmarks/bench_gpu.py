@@ -407,7 +407,8 @@ def main() -> None:
                 "of bound", "of bound (timeline)", "XLA-priced", "sent / ring bound",
                 "args MiB", "temps MiB", "vs ref", "fits", "HBM GB", "vs ref"]  # fmt: skip
         rows_out = []
-        traffic = {name: jaxsync.hbm_bytes(r.hlo_text).total for name, r in reports.items()}
+        counted = {name: jaxsync.hbm_bytes(r.hlo_text) for name, r in reports.items()}
+        traffic = {name: c.total for name, c in counted.items()}
         for name, r in reports.items():
             ref = reports.get(ref_name(name, reports))
             rows_out.append([
@@ -429,8 +430,11 @@ def main() -> None:
             ])  # fmt: skip
         label = "XLA defaults" if not options else "GPU performance flags"
         table = fmt_table(head, rows_out, 1)
-        lines += [f"{label}:", "", table, ""]
-        print(f"\n{label}:\n{table}\n", flush=True)
+        remat = [f"{name}: {c.rematerialized / 1e9:.1f} GB of its kernel bytes in kernels XLA "
+                 "rematerialized (its memory estimate before scheduling passed 80% of the GPU)"
+                 for name, c in counted.items() if c.rematerialized]  # fmt: skip
+        lines += [f"{label}:", "", table, "", *remat]
+        print(f"\n{label}:\n{table}\n" + "".join(f"{x}\n" for x in remat), flush=True)
     if args.out:
         with open(args.out, "w") as f:
             f.write("\n".join(lines))

@@ -86,3 +86,16 @@ def test_bad_input_is_named():
         jaxsync.hbm_bytes(42)
     with pytest.raises(ValueError, match="StableHLO"):
         jaxsync.hbm_bytes(jax.jit(lambda x: x).lower(1.0).as_text())
+
+
+def test_what_xla_rematerialized_is_counted_apart():
+    """XLA's rematerialization names each kernel it clones ``<name>.remat<N>``: the
+    bytes it spends recomputing because its memory estimate passed its limit."""
+    text = HLO.replace("%cvt = f32", "%cvt.remat2 = f32").replace(
+        "all-reduce(%cvt)", "all-reduce(%cvt.remat2)"
+    )
+    report = jaxsync.hbm_bytes(text)
+    assert report.rematerialized == 128 * 512 * (2 + 4)
+    assert "of which 0.00 GB XLA rematerialized" in report.table()
+    assert jaxsync.hbm_bytes(HLO).rematerialized == 0
+    assert "rematerialized" not in jaxsync.hbm_bytes(HLO).table()

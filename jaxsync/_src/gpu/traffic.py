@@ -86,6 +86,14 @@ class TrafficReport:
         """Bytes read and written per step, collectives excluded."""
         return sum(k.total for k in self.kernels)
 
+    @property
+    def rematerialized(self) -> int:
+        """Bytes per step of the kernels XLA's rematerialization cloned (``.remat`` in
+        their names), all of each clone's traffic: nonzero where XLA's estimate of the
+        program's peak, made before scheduling, passed its memory limit (80% of the
+        GPU) and it recomputes values to get under it."""
+        return sum(k.total for k in self.kernels if ".remat" in k.name)
+
     def by_kind(self) -> dict[str, int]:
         """Bytes per step by kernel kind (``matmul``, ``attention``, ``other``)."""
         out = dict.fromkeys(KINDS, 0)
@@ -97,6 +105,8 @@ class TrafficReport:
         gb = 1e9
         kinds = ", ".join(f"{k} {v / gb:.2f}" for k, v in self.by_kind().items())
         lines = [f"{self.total / gb:.2f} GB per step ({kinds})"]
+        if self.rematerialized:
+            lines.append(f"  of which {self.rematerialized / gb:.2f} GB XLA rematerialized")
         for k in self.kernels[:top]:
             lines.append(
                 f"  {k.total / gb:8.3f} GB  {k.runs:4d} x {k.bytes / 2**20:9.1f} MiB  "
