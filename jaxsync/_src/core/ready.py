@@ -99,14 +99,14 @@ def recompute_late(closed: Any) -> Any:
     forward = [v for e in jaxpr.eqns[:at]
                if e.primitive is _SCAN and not e.params["reverse"] for v in e.outvars]  # fmt: skip
     computed = _downstream(jaxpr, forward)
-    first, carries = scan_num_consts(loop), scan_num_carry(loop)
+    first = scan_num_consts(loop)
+    carried = range(first, first + scan_num_carry(loop))
     invars = list(loop.invars)
-    kinds = {k: first <= k < first + carries for k, v in enumerate(invars)
-             if isinstance(v, jcore.Var) and v in computed}  # fmt: skip
+    saved = [k for k, v in enumerate(invars) if isinstance(v, jcore.Var) and v in computed]
     barriers = []
-    for vma in {_vma(invars[k]) for k, carry in kinds.items() if carry}:
-        group = [k for k in kinds if _vma(invars[k]) == vma]
-        if all(kinds[k] for k in group):
+    for vma in {_vma(invars[k]) for k in saved if k in carried}:
+        group = [k for k in saved if _vma(invars[k]) == vma]
+        if all(k in carried for k in group):  # no activation of this type to hold
             continue
         barrier, tied = _tie([invars[k] for k in group], loop)
         barriers.append(barrier)

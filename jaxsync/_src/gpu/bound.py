@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 from ..optim.elementwise import check_elementwise
 from .schedule import schedule_report
-from .target import GPUS, gpu_topology
+from .target import gpu_kind, gpu_topology
 from .timings import ScheduleReport
 
 #: What ZeRO and FSDP-that-keeps-its-layers must move per step: the gradients
@@ -121,7 +121,7 @@ def communication_bound(
     """
     _check_args(params, optimizer, mesh, axis_name)
     n = mesh.shape[axis_name]
-    kind = {s.name: key for key, s in GPUS.items()}.get(mesh.devices.flat[0].device_kind)
+    kind = gpu_kind(mesh)
     if kind is None:
         raise ValueError(
             "communication_bound needs a jaxsync.gpu_topology mesh of a GPU in jaxsync.GPUS; "

@@ -163,6 +163,12 @@ def gpu_target_available() -> bool:
         return False
 
 
+def gpu_kind(mesh: Mesh) -> str | None:
+    """The key of :data:`jaxsync.GPUS` whose GPU ``mesh``'s devices are (by their
+    ``device_kind``); None for another device."""
+    return {s.name: key for key, s in GPUS.items()}.get(mesh.devices.flat[0].device_kind)
+
+
 def gpu_topology(
     kind: str = "h100",
     *,

@@ -30,7 +30,7 @@ import jax
 from jax.sharding import Mesh
 
 from ..core.xla_names import pipelined, set_by_user
-from ..gpu.target import GPUS
+from ..gpu.target import GPUS, gpu_kind
 
 #: XLA unrolls a loop twice so that a collective it pipelines across iterations
 #: starts and completes inside one unrolled body. For 1-D steps (1.1B and 7.2B
@@ -104,8 +104,8 @@ def _device_memory(mesh: Mesh) -> int:
     try:
         return int(local[0].memory_stats()["bytes_limit"])
     except (RuntimeError, IndexError, KeyError, TypeError):  # compile-only: no stats
-        spec = next((s for s in GPUS.values() if s.name == device.device_kind), None)
-        return spec.memory_bytes if spec is not None else 0
+        kind = gpu_kind(mesh)
+        return GPUS[kind].memory_bytes if kind is not None else 0
 
 
 def step_compiler_options(
