@@ -134,9 +134,10 @@ def test_trains_like_one_device_and_syncs_in_the_loop(mesh8, mode, microbatches,
         step.params(state),
         reference(opt),
     )
-    # each layer's gradient is reduced inside the backward scan, once per layer...
+    # each layer's gradient is reduce-scattered inside the backward scan, once per
+    # layer (DDP's too: it gathers the reduced stack after the loop)...
     report = jaxsync.overlap_report(step.lower(state, batches[0]).compile())
-    kind = "all-reduce" if mode == "ddp" else "reduce-scatter"
+    kind = "reduce-scatter"
     in_loop = report.in_loop(kind=kind, role="backward")
     assert in_loop and all(c.trip_count == L for c in in_loop), report
     # ...and none after the loop: there only the unstacked params' gradients (and

@@ -167,11 +167,15 @@ def test_scanned_stack_syncs_in_the_loop(mesh8, mode, microbatches):
         "scanned", lambda: Scanned(nnx.Rngs(0)), lambda: optax.adamw(1e-2), batches
     )
     assert_close(params_of(step.model(state)), want)
-    # each layer's gradient is reduced inside the backward scan (3 layers)
+    # each layer's gradient is reduce-scattered inside the backward scan (3 layers);
+    # DDP too, and it gathers the reduced stack after the loop, for its replicated update
     report = jaxsync.overlap_report(step.lower(state, batches[0]).compile())
-    kind = "all-reduce" if mode == "ddp" else "reduce-scatter"
-    in_loop = report.in_loop(kind=kind, role="backward")
+    in_loop = report.in_loop(kind="reduce-scatter", role="backward")
     assert in_loop and all(c.trip_count == 3 for c in in_loop), report
+    if mode == "ddp":
+        gathers = [c for c in report.collectives if c.kind == "all-gather"]
+        assert gathers and not report.in_loop(kind="all-gather"), report
+        assert not report.in_loop(kind="all-reduce"), report
 
 
 def test_model_state_is_kept_across_steps(mesh8):

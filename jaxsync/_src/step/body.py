@@ -15,6 +15,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from ..core.axes import axes_size, normalize_axes
 from ..deterministic.exact import unit_record
 from ..fsdp.grad import split_microbatches
 from ..fsdp.grad import value_and_grad as fsdp_value_and_grad
@@ -23,7 +24,7 @@ from ..optim.logged import TreeNorms, rate_of, with_rate
 from ..optim.master import MasterState
 from ..sync.grad_sync import all_reduce_grads, value_and_grad
 from ..sync.reduction import BUCKETED
-from ..sync.scan_sync import DataParallel, sync_value_and_grad
+from ..sync.scan_sync import DataParallel, ShardedGrads, sync_value_and_grad
 from .held import gather_held, held_buffers, master_rows, stand_ins, strip
 from .modes import deterministic_of
 from .parts import Plan, finish, loss_of, one_piece, outputs, scale_of, settle, unscale
@@ -112,24 +113,33 @@ def ddp_body(cfg: Any, plan: Plan, state: TrainState, batch: Any) -> tuple[Train
         sync = DataParallel(
             cfg.axis_name, bucket_size=mode.bucket_size, reduce_dtype=mode.reduce_dtype,
             rules=mode.rules, stacked=cfg.stacked, param_dtype=mode.param_dtype,
+            shard_grads=axes_size(normalize_axes(cfg.axis_name)) > 1,
         )  # fmt: skip
     (loss, rest), local = grads_of(cfg, plan, state, batch, sync)
-    grads = local
-    if sync is None:
-        # With an fp32 master (bf16/fp16 params), keep the reduced gradients in the
-        # reduction's dtype, as ZeRO's shards do, instead of rounding them back to
-        # the params' dtype (the cast fuses into the bucket's pack). The in-loop sync
-        # of stacked groups hands back cotangents in the params' dtype.
-        widen = isinstance(state.opt_state, MasterState) and mode.deterministic is None
-        grads = all_reduce_grads(
-            widened(local, mode.reduce_dtype) if widen else local,
-            axis_name=cfg.axis_name, bucket_size=mode.bucket_size,
-            reduce_dtype=mode.reduce_dtype, rules=mode.rules, deterministic=mode.deterministic,
-        )  # fmt: skip
-    # The statistics of the reduced grads before unscaling (read back out of the
-    # reduced buckets, which XLA sees through), then the loss scale taken out.
+    # With an fp32 master (bf16/fp16 params), keep the reduced gradients in the
+    # reduction's dtype, as ZeRO's shards do, instead of rounding them back to the
+    # params' dtype (the cast fuses into the bucket's pack or the gather's update).
+    widen = isinstance(state.opt_state, MasterState) and mode.deterministic is None
+    if isinstance(local, ShardedGrads):
+        # Reduce-scattered in the loop (DataParallel.shard_grads): the statistics from
+        # the shards (one psum of two floats), so each param's update waits for its own
+        # gather only; the per-param flags are each device's local ones, as ZeRO's.
+        layout = sync.layout(state.params)
+        sq, zeros = global_stats(list(local.shards), cfg.axis_name, padding_of([layout]))
+        grads = sync.gather(local, state.params, mode.reduce_dtype if widen else None)
+    else:
+        grads = local
+        if sync is None:  # the in-loop sync of stacked groups hands back the params' dtype
+            grads = all_reduce_grads(
+                widened(local, mode.reduce_dtype) if widen else local,
+                axis_name=cfg.axis_name, bucket_size=mode.bucket_size,
+                reduce_dtype=mode.reduce_dtype, rules=mode.rules,
+                deterministic=mode.deterministic,
+            )  # fmt: skip
+        # The statistics of the reduced grads before unscaling (read back out of the
+        # reduced buckets, which XLA sees through).
+        sq, zeros = global_stats(grads)
     scale = scale_of(cfg, state)
-    sq, zeros = global_stats(grads)
     grads = unscale(grads, scale)
     stats = (sq if scale is None else sq / jnp.square(scale.astype(jnp.float32)), zeros)
     # Deterministic: per-device flags would depend on the DP size; flag units, as ZeRO.

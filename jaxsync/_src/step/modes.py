@@ -62,6 +62,11 @@ class DDP(_Bucketed):
     """Plain data parallelism: a replicated optax state, local gradients all-reduced
     bucket by bucket (Megatron's ``DistributedDataParallel``).
 
+    With ``stacked=`` groups on more than one device, each layer's gradient is
+    reduce-scattered inside the backward loop and the reduced stack gathered after it,
+    for the update (``jaxsync.DataParallel(shard_grads=True)``): the bytes of an
+    all-reduce, and the whole reduced stack is never held beside the activations.
+
     Attributes:
       bucket_size: elements per communication bucket (None: one bucket per buffer).
       reduce_dtype: dtype of the gradient reduction (fp32 by default, also for bf16

@@ -240,6 +240,36 @@ def _gather_last(piece: jax.Array, axes: tuple[str, ...]) -> jax.Array:
     return jax.lax.map(lambda row: _gather_last(row, axes), piece)
 
 
+def gather_rows(
+    shards: tuple[jax.Array, ...], layout: Layout, axes: tuple[str, ...]
+) -> tuple[jax.Array, ...]:
+    """All-gathers reduced gradient shards (``[shard]`` or ``[layers, shard]`` per
+    buffer) into full flat buffers, one collective per bucket, for an update that
+    reads them once (:meth:`jaxsync.DataParallel.gather`).
+
+    A stacked piece is gathered along a new major axis and moved into place, which
+    XLA fuses into the update that reads it: one asynchronous all-gather that the
+    scheduler can overlap with another buffer's update. :func:`_gather_last`'s loop
+    over layers would leave each gather alone in its loop body, exposed (8 x H100,
+    Llama-style 1.1B DDP step: 179.7 against 161.7 ms), and a gather along the last
+    axis made XLA transpose the gathered gradients and the updated params (19629
+    against 17203 MiB).
+    """
+    full = []
+    for bi, shard in enumerate(shards):
+        baxes = buffer_axes(layout, bi, axes)
+        pieces = [_gather_rows(p, baxes) for p in layout.split_shard(bi, shard)]
+        full.append(pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces, axis=-1))
+    return tuple(full)
+
+
+def _gather_rows(piece: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+    if piece.ndim == 1 or axes_size(axes) == 1:
+        return jax.lax.all_gather(piece, axes, axis=piece.ndim - 1, tiled=True, to="invarying")
+    got = jax.lax.all_gather(piece, axes, axis=0, tiled=False, to="invarying")  # [n, L, k]
+    return jnp.moveaxis(got, 0, -2).reshape(*piece.shape[:-1], -1)
+
+
 def gather_params(
     shards: tuple[jax.Array, ...],
     layout: Layout,

@@ -18,6 +18,7 @@ distributed optimizer, sharded: ZeRO-2).
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -27,11 +28,18 @@ import jax.numpy as jnp
 from ..core.axes import AxisName, axes_size, bound_axes, normalize_axes, to_varying
 from ..core.grad_program import run_jaxpr
 from ..core.grad_program import value_and_grad as program_value_and_grad
-from ..core.names import group_trees, in_group, param_name
+from ..core.names import group_of, group_trees, in_group, param_name
 from ..layout.layout import Layout
 from ..layout.placement import build_layout, check_bucket_size, normalize_stacked
 from ..layout.records import BufferKey
-from .collectives import buffer_axes, mean_factor, reduce_bucket, reduce_scatter_packed, scale_by
+from .collectives import (
+    buffer_axes,
+    gather_rows,
+    mean_factor,
+    reduce_bucket,
+    reduce_scatter_packed,
+    scale_by,
+)
 from .finalize import SyncRules, local_view, sync_keys
 from .layer_tap import LayerStack, TapSpec
 from .remat_keep import keep_gathered
@@ -39,6 +47,7 @@ from .tap_rules import check_taps
 from .views import call_with_views
 
 PyTree = Any
+
 
 @dataclasses.dataclass(frozen=True)
 class DataParallel:
@@ -59,6 +68,18 @@ class DataParallel:
         them (as ``jaxsync.DDP(param_dtype=...)`` does); None: their own. On one
         device with one microbatch, where nothing is summed, the stacked groups'
         gradients are kept in it (exactly) until the update reads them.
+      shard_grads: reduce-scatter each layer's gradient in the backward loop instead
+        of all-reducing it, so each rank holds 1/N of the reduced stack (ZeRO-2's
+        gradients) while the loop's activations are live, and
+        :func:`jaxsync.value_and_grad` returns :class:`jaxsync.ShardedGrads` in
+        :meth:`layout`'s buffers; :meth:`gather` makes the reduced tree of them after
+        the loop, for the replicated update. The same bytes cross the wire as the
+        all-reduce's (a ring all-reduce is a reduce-scatter and an all-gather), but the
+        whole reduced stack is never held beside the activations: ``jaxsync.DDP``
+        does this on more than one device (8 x H100, Llama-style 1.1B: 20354 ->
+        17203 MiB per GPU, XLA's timeline 163.3 -> 161.7 ms). Each stacked param then
+        lies in a buffer of its own, gathered by a collective of its own, so XLA
+        can overlap one param's gather with another's update.
     """
 
     axis_name: AxisName
@@ -67,6 +88,7 @@ class DataParallel:
     rules: SyncRules | None = None
     stacked: tuple[str, ...] = ()
     param_dtype: Any = None
+    shard_grads: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "axis_name", normalize_axes(self.axis_name))
@@ -78,19 +100,36 @@ class DataParallel:
         shape = dict(jax.sharding.get_abstract_mesh().shape)
         syncs = sync_keys(self.rules, params, self.axis_name, shape)
         by_path = {
-            jax.tree_util.keystr(p): s
+            jax.tree_util.keystr(p): (s, param_name(p))
             for (p, _), s in zip(
                 jax.tree_util.tree_flatten_with_path(params)[0], syncs, strict=True
             )
         }
 
         def key_fn(path: str, leaf: Any) -> BufferKey:
-            s = by_path[path]
-            return BufferKey(jnp.dtype(leaf.dtype).name, s.dp_axes, None, s.sum_axes, s.mean_axes)
+            s, dotted = by_path[path]
+            key = BufferKey(jnp.dtype(leaf.dtype).name, s.dp_axes, None, s.sum_axes, s.mean_axes)
+            alone = self.shard_grads and group_of(dotted, self.stacked)
+            return key._replace(part=dotted) if alone else key
+
+        def shards(key: BufferKey) -> int:
+            return math.prod(shape[a] for a in key.axes) if self.shard_grads else 1
 
         return build_layout(
-            params, bucket_size=self.bucket_size, key_fn=key_fn, stacked=self.stacked
+            params,
+            num_shards=shards,
+            bucket_size=self.bucket_size,
+            key_fn=key_fn,
+            stacked=self.stacked,
         )
+
+    def gather(self, grads: ShardedGrads, params: PyTree, dtype: Any = None) -> PyTree:
+        """The reduced gradient tree of ``shard_grads``'s :class:`ShardedGrads`
+        (inside shard_map; ``params`` as given to ``value_and_grad``). Leaves get their
+        param's dtype unless ``dtype``."""
+        layout = self.layout(params)
+        axes = bound_axes(self.axis_name, "DataParallel.gather")
+        return layout.unflatten(gather_rows(grads.shards, layout, axes), dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,7 +163,7 @@ def _plan(sync: Any, params: PyTree, fn: str) -> _Plan:
     if isinstance(sync, DataParallel):
         axes = bound_axes(sync.axis_name, fn)
         dtype = jnp.dtype(sync.reduce_dtype or jnp.float32).name
-        return _Plan(sync.layout(params), axes, False, dtype, sync.rules)
+        return _Plan(sync.layout(params), axes, sync.shard_grads, dtype, sync.rules)
     config = _optimizer_plan(sync)
     axes = bound_axes(config.axes, fn)
     layout = config.layout_inside(params)
@@ -140,9 +179,7 @@ def _sink_dtypes(
     computed in: the params' as the loss reads them. That keeps one GPU's gradient
     stacks at the model's width (a bf16 model's are half the bytes to zero, write and
     read) and the values exact."""
-    alone = (
-        microbatches == 1 and first and plan.rules is None and axes_size(plan.axes) == 1
-    )
+    alone = microbatches == 1 and first and plan.rules is None and axes_size(plan.axes) == 1
     computed = getattr(sync, "param_dtype", None)
     return {
         bi: jnp.dtype(computed or buf.key.dtype).name if alone else plan.reduce_dtype

@@ -1,0 +1,149 @@
+"""DDP's stacked gradients as shards: reduce-scattered in the backward loop, gathered after.
+
+``jaxsync.DataParallel(shard_grads=True)`` keeps 1/N of each layer's reduced gradient
+per rank while the loop runs (ZeRO-2's gradients), and ``DataParallel.gather`` makes
+the reduced tree for the replicated update after it; ``jaxsync.DDP`` steps do this on
+more than one device. Checked against one device's ``jax.grad`` on the global batch,
+against the all-reduce's tree, and in the compiled step: where each collective sits
+and what the backward loop carries.
+"""
+
+from __future__ import annotations
+
+import re
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import PartitionSpec as P
+
+import jaxsync
+
+L, D = 3, 24
+#: a layer's elements per stacked param, each buffer padded to a multiple of lcm(8, 128)
+MATRIX, VECTOR = 640, 128
+
+
+def _params(seed: int = 0) -> dict:
+    ks = jax.random.split(jax.random.PRNGKey(seed), 5)
+    return {
+        "inp": {"w": jax.random.normal(ks[0], (6, D)) * 0.5},
+        "blocks": {
+            "w1": jax.random.normal(ks[1], (L, D, D)) * D**-0.5,
+            "b1": jax.random.normal(ks[2], (L, D)) * 0.1,
+            "w2": jax.random.normal(ks[3], (L, D, D)) * D**-0.5,
+            "g": jnp.ones((L, D)),
+        },
+        "head": {"w": jax.random.normal(ks[4], (D, 3)) * D**-0.5},
+    }
+
+
+def _loss(params, batch):
+    x, y = batch
+    h = x @ params["inp"]["w"]
+
+    def body(h, p):
+        p = jaxsync.tap(p)
+        return h + jnp.tanh(h @ p["w1"] + p["b1"]) @ p["w2"] * p["g"], None
+
+    h, _ = jax.lax.scan(jax.checkpoint(body), h, params["blocks"])
+    return jnp.mean((h @ params["head"]["w"] - y) ** 2)
+
+
+def _batch(rows: int = 32):
+    rng = np.random.default_rng(1)
+    return (
+        rng.standard_normal((rows, 6)).astype(np.float32),
+        rng.standard_normal((rows, 3)).astype(np.float32),
+    )
+
+
+def _grads(mesh, sync):
+    """(the ShardedGrads' shard shapes, or None; the reduced tree) of ``_loss``."""
+    shapes = []
+
+    @jax.jit
+    @partial(jax.shard_map, mesh=mesh, in_specs=(P(), P("data")), out_specs=P())
+    def run(params, batch):
+        _, g = jaxsync.value_and_grad(_loss, axis_name="data", sync=sync)(params, batch)
+        if isinstance(g, jaxsync.ShardedGrads):
+            shapes.extend(s.shape for s in g.shards)
+            return sync.gather(g, params)
+        return g
+
+    tree = run(_params(), jaxsync.shard_batch(_batch(), mesh))
+    return shapes or None, tree
+
+
+def test_shard_grads_gathers_the_gradient_of_one_device(mesh8):
+    sync = jaxsync.DataParallel("data", stacked="blocks", shard_grads=True)
+    shapes, got = _grads(mesh8, sync)
+    want = jax.grad(_loss)(_params(), _batch())  # one device, the global batch
+    close = partial(np.testing.assert_allclose, rtol=2e-5, atol=2e-6)
+    jax.tree.map(close, got, want)
+    _, whole = _grads(mesh8, jaxsync.DataParallel("data", stacked="blocks"))
+    jax.tree.map(close, got, whole)
+    # each stacked param in a buffer of its own, 1/8 of it per rank and layer: a
+    # [D, D] matrix (576 elements) padded to 640, a [D] vector to 128
+    stacked = sorted(s for s in shapes if len(s) == 2)
+    assert stacked == sorted([(L, MATRIX // 8)] * 2 + [(L, VECTOR // 8)] * 2), stacked
+
+
+#: one layer's elements of the stack in the all-reduce's unpadded buffer
+_WHOLE = 2 * D * D + 2 * D
+
+
+def _backward_carries(compiled_text: str) -> list[str]:
+    """The shapes each backward while loop (one holding a reduce-scatter) carries."""
+    bodies = {
+        m.group(1)
+        for m in re.finditer(r"^\s*%?([\w.\-]+) .*\{\s*$", compiled_text, re.M)
+        if "reduce-scatter" in _computation(compiled_text, m.group(1))
+    }
+    carries = []
+    for line in compiled_text.splitlines():
+        m = re.search(r"= (\(.*\)) while\(.*body=%?([\w.\-]+)", line)
+        if m and m.group(2) in bodies:
+            carries.append(m.group(1))
+    return carries
+
+
+def _computation(text: str, name: str) -> str:
+    start = re.search(rf"^\s*%?{re.escape(name)} .*\{{\s*$", text, re.M)
+    if start is None:
+        return ""
+    end = text.find("\n}", start.end())
+    return text[start.end() : end]
+
+
+def test_a_ddp_step_carries_the_reduced_stack_as_shards(mesh8):
+    """The backward loop of a DDP step writes each layer's reduced gradient into
+    ``[L, shard]`` rows (one per stacked param), never into the whole ``[L, size]``
+    stack; the whole stack is gathered after the loop, outside any loop."""
+    step = jaxsync.train_step(_loss, optax.sgd(0.1), mesh8, "ddp", stacked="blocks")
+    state = step.init(_params())
+    text = step.lower(state, _batch()).compile().as_text()
+    carries = _backward_carries(text)
+    assert carries, "no backward loop with a reduce-scatter"
+    carried = " ".join(carries)
+    assert carried.count(f"f32[{L},{MATRIX // 8}]") == 2, carried
+    assert carried.count(f"f32[{L},{VECTOR // 8}]") == 2, carried
+    assert f"f32[{L},{_WHOLE}]" not in carried, carried  # the all-reduce's one buffer
+    report = jaxsync.overlap_report(text)
+    assert not report.in_loop(kind="all-reduce") and not report.in_loop(kind="all-gather")
+    # and the step trains as SGD on one device does
+    batch = _batch()
+    state, _ = step(state, batch)
+    want = jax.tree.map(lambda p, g: p - 0.1 * g, _params(), jax.grad(_loss)(_params(), batch))
+    jax.tree.map(partial(np.testing.assert_allclose, rtol=2e-5, atol=2e-6), state.params, want)
+
+
+def test_a_one_device_step_keeps_its_gradients_whole():
+    """Nothing to shard on one device: the loop keeps the whole reduced stack."""
+    one = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1])
+    step = jaxsync.train_step(_loss, optax.sgd(0.1), one, "ddp", stacked="blocks")
+    state = step.init(_params())
+    text = step.lower(state, _batch()).compile().as_text()
+    assert f"f32[{L},{_WHOLE}]" in text and f"f32[{L},{VECTOR // 8}]" not in text
