@@ -354,6 +354,8 @@ def test_xla_flags_keep_the_users_pipelining_choice(monkeypatch):
     assert step_compiler_options("ddp", two_d=False, state=0.5) == {DOUBLE_BUFFERING: False,
                                                                     **reduce}  # fmt: skip
     assert step_compiler_options("ddp", two_d=False, state=0.3)[DOUBLE_BUFFERING]
+    # (a DDP step syncing stacked groups keeps 1/N of their reduced stack in the loop)
+    assert step_compiler_options("ddp", two_d=False, state=0.5, stacked=True)[DOUBLE_BUFFERING]
     assert step_compiler_options("zero", two_d=False, state=0.9)[DOUBLE_BUFFERING]
     # XLA_FLAGS takes the old boolean spelling on every jaxlib: it counts as a choice
     monkeypatch.setenv(

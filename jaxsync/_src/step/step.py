@@ -302,7 +302,7 @@ class TrainStep:
                 compiler_options=step_compiler_options(
                     self.mode.name, two_d=False, layer_bytes=self._layer_bytes(plan),
                     devices=mesh_axes_size(self.mesh, axes, "jaxsync.train_step"),
-                    state=plan.state_share,
+                    state=plan.state_share, stacked=bool(self.stacked),
                 ),
             )  # fmt: skip
         # Manual over the data axes (and any axis no param uses); the compiler

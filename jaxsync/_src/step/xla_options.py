@@ -41,10 +41,16 @@ from ..gpu.target import GPUS, gpu_kind
 DOUBLE_BUFFERING = "xla_gpu_enable_while_loop_double_buffering"
 
 #: A DDP step whose state (replicated params and optimizer state) takes more than this
-#: share of its GPU's memory is not double-buffered. XLA rematerializes when its estimate
-#: of a program's peak, made before the scheduler runs, passes 80% of the GPU's memory;
-#: the unrolled body's second iteration puts a large DDP step there, and what it then
-#: recomputes is the backward loop's writes of the reduced gradients. Llama-3.2-3B's
+#: share of its GPU's memory, and whose backward loop writes a whole gradient stack (no
+#: ``stacked`` groups: the user's scan under ``jax.grad``), is not double-buffered. XLA
+#: rematerializes when its estimate of a program's peak, made before the scheduler runs,
+#: passes 80% of the GPU's memory; the unrolled body's second iteration puts a large DDP
+#: step there, and what it then recomputes is the backward loop's writes of the
+#: gradients. Measured when the stacked groups' loop all-reduced into the whole reduced
+#: stack; it now keeps 1/N of it (``DataParallel.shard_grads``) and the unrolling stays at
+#: any share (the same shape at 28, 34 and 40 layers, 50-67% of the GPU: 551.3 / 657.4 /
+#: 763.4 GB of kernel traffic not unrolled, 537.6 / 640.7 / 743.7 unrolled, memory the
+#: same to the MiB, nothing rematerialized at 28 and 34). Llama-3.2-3B's
 #: shape on 8 x H100 (state 50% of the GPU): 592.3 -> 549.1 GB of kernel traffic per
 #: step without the unrolling (the replicated step's 566.7), memory and XLA's timeline
 #: the same to 0.1%. Below the line the unrolling saves traffic: 1.1B Llama-style 402.2
@@ -109,12 +115,18 @@ def _device_memory(mesh: Mesh) -> int:
 
 
 def step_compiler_options(
-    mode: str, two_d: bool, layer_bytes: int = 0, devices: int = 2, state: float = 0.0
+    mode: str,
+    two_d: bool,
+    layer_bytes: int = 0,
+    devices: int = 2,
+    state: float = 0.0,
+    stacked: bool = False,
 ) -> dict[str, Any]:
     """The ``jax.jit(compiler_options=...)`` of a step (ignored off GPU); a flag the
     user set in ``XLA_FLAGS`` is left to them. ``layer_bytes``: FSDP's largest
     gathered layer (:data:`ALL_GATHER_COMBINE`). ``state``: the share of a GPU's
-    memory the step's state takes (:func:`state_share`; :data:`DDP_TIGHT_SHARE`).
+    memory the step's state takes (:func:`state_share`; :data:`DDP_TIGHT_SHARE`, which
+    ``stacked``, a step syncing stacked groups in its loop, is exempt from).
     ``devices``: of a 1-D step's data axes; with one there is no collective for any
     option to serve, and the step keeps XLA's defaults, as a ``jax.jit`` step gets
     them. On one H200 (jax 0.11.2, Llama-style 1.1B, command buffers off) each mode's
@@ -141,7 +153,7 @@ def step_compiler_options(
     if two_d:
         wanted |= pipelined("reduce_scatter", False)
     else:
-        wanted[DOUBLE_BUFFERING] = not (mode == "ddp" and state > DDP_TIGHT_SHARE)
+        wanted[DOUBLE_BUFFERING] = not (mode == "ddp" and not stacked and state > DDP_TIGHT_SHARE)
         if mode in ("fsdp", "zero"):
             wanted |= pipelined("all_gather", True)
         if mode in ("fsdp", "zero") and layer_bytes:
