@@ -101,7 +101,35 @@ def test_the_buffer_assignment_is_read_with_or_without_pages(page):
     temporaries and arguments read the same either way."""
     from jaxsync._src.gpu.peak import _values
 
-    temps, args, shapes = _values(ASSIGNMENT.format(page=page))
+    temps, args, shapes, phis = _values(ASSIGNMENT.format(page=page))
     assert temps == [("fusion.3{}", 1048576, 0), ("fusion.5{}", 4096, 1048064)]
     assert args == [(0, 262144, "f32[256,256]")]
     assert shapes["fusion.3{}"] == "f32[512,512]{1,0}"
+    assert phis == set()
+    # a loop's carried value (XLA writes it with "(phi)") is a temporary too
+    temps, _, _, phis = _values(ASSIGNMENT.format(page=page) + LOOP)
+    assert ("while.3{2}", 1048576, 0) in temps and phis == {"while.3{2}"}
+
+
+LOOP = """allocation 3: size 1048576, preallocated-temp:
+ value: <31 while.3{2} (phi) @0> (size=1048576,offset=0): f32[512,512]{1,0}
+"""
+
+
+def test_a_stack_a_backward_loop_carries_is_live_at_its_peak():
+    """A forward scan writes the layer inputs [L, rows, d] (remat saves them) and the
+    backward scan carries them to its end: the peak inside the backward holds the stack
+    (XLA passes it on through the loops' carried values, its phis)."""
+    L, rows, d = 8, 1024, 256
+    ws = jnp.ones((L, d, d), jnp.float32) * 0.01
+
+    def loss(ws, x):
+        body = jax.checkpoint(lambda h, w: (jnp.tanh(h @ w), None))
+        return jnp.sum(jax.lax.scan(body, x, ws)[0])
+
+    x = jnp.ones((rows, d), jnp.float32)
+    report = jaxsync.memory_report(jax.jit(jax.grad(loss)).lower(ws, x))
+    stack = [b for b in report.buffers if b.shape == f"f32[{L},{rows},{d}]" and not b.argument]
+    assert stack, report.table(10, ranges=True)
+    assert "transpose(jvp" in stack[0].live_to and "transpose" not in stack[0].live_from
+    assert "jvp()" in stack[0].made_by and "transpose" not in stack[0].made_by

@@ -34,7 +34,11 @@ _ALLOCATION = re.compile(r"^allocation (\d+): size (\d+),(?: page \d+,)? (.*)$")
 _PARAMETER = re.compile(r"parameter (\d+), shape \|([^|]*)\|")
 _NOT_TEMP = re.compile(r"parameter|constant|thread-local|output shape")
 _STEP = re.compile(r"^\s+(\d+):(\S+)$", re.M)
-_VALUE = re.compile(r"^\s*value: <\d+ (\S+?)(\{[\d,]*\})? @\d+> \(size=(\d+),offset=(\d+)\): (\S+)")
+# A loop's carried values are written `<id while.3{2} (phi) @0>`: the buffer of a stack
+# a forward loop writes and a backward loop reads is live through them.
+_VALUE = re.compile(
+    r"^\s*value: <\d+ (\S+?)(\{[\d,]*\})?( \(phi\))? @\d+> \(size=(\d+),offset=(\d+)\): (\S+)"
+)
 _INSTR = re.compile(r"^\s*(?:ROOT )?%(\S+) = (.*)$", re.M)
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 
@@ -183,7 +187,7 @@ def read_memory(live: str, assignment: str, hlo: str, stats: Any) -> MemoryRepor
     ranges = {n: (int(a), int(b)) for n, a, b in _RANGE.findall(live.split("BufferLiveRange")[-1])}
     steps = dict((int(i), name) for i, name in _STEP.findall(live.split("BufferLiveRange")[0]))
     instrs = {name: rest for name, rest in _INSTR.findall(hlo)}
-    temps, args, shapes = _values(assignment)
+    temps, args, shapes, phis = _values(assignment)
     timed = [(v, ranges[v[0]]) for v in temps if v[0] in ranges]
     if not timed and not args:
         raise ValueError("memory_report: the buffer-assignment dump names no buffers.")
@@ -193,19 +197,34 @@ def read_memory(live: str, assignment: str, hlo: str, stats: Any) -> MemoryRepor
                                   if a <= t <= b))  # fmt: skip
         if covered > best:
             at, best = t, covered
-    live_now = [v for v, (a, b) in timed if a <= at <= b]
+    # One entry per buffer: the values live now at one offset are one buffer passed on
+    # (a stack written by a loop, then carried by it); named by the one that made it.
+    held: dict[tuple[int, int], tuple[str, int, int]] = {}
+    for v, (a, b) in timed:
+        if a <= at <= b:
+            key = (v[2], v[1])
+            if key not in held or (held[key][0] in phis and v[0] not in phis):
+                held[key] = v
+    live_now = list(held.values())
 
     def made_by(name: str) -> str:
         op = _OP_NAME.search(instrs.get(name.split("{")[0], ""))
         return op.group(1) if op else name
 
-    def buffer(name: str, size: int) -> PeakBuffer:
-        a, b = ranges[name]
-        ends = [made_by(steps[t]) if t in steps else str(t) for t in (a, b)]
-        return PeakBuffer(name, shapes.get(name, "").split("{")[0], size, made_by(name),
+    def buffer(name: str, size: int, offset: int) -> PeakBuffer:
+        here = [(*ranges[v[0]], v[0] in phis, v[0]) for v, _ in timed if v[1:] == (size, offset)]
+        chain = _chain((*ranges[name], name in phis, name), here)
+        ends = [
+            made_by(steps[t]) if t in steps else str(t)
+            for t in (chain[0][0], max(c[1] for c in chain))
+        ]
+        # a loop's phi names no operation: the last value written into the buffer does
+        writers = [c for c in chain if not c[2] and c[0] <= at]
+        maker = writers[-1][3] if writers else name
+        return PeakBuffer(name, shapes.get(name, "").split("{")[0], size, made_by(maker),
                           False, *ends)  # fmt: skip
 
-    buffers = [buffer(n, size) for n, size, _ in live_now]
+    buffers = [buffer(*v) for v in live_now]
     params = _entry_parameters(hlo)
     buffers += [
         PeakBuffer(f"parameter({i})", shape, size, params.get(i, f"parameter({i})"), True)
@@ -223,10 +242,11 @@ def read_memory(live: str, assignment: str, hlo: str, stats: Any) -> MemoryRepor
     )
 
 
-def _values(assignment: str) -> tuple[list, list, dict[str, str]]:
+def _values(assignment: str) -> tuple[list, list, dict[str, str], set[str]]:
     """From the buffer-assignment dump: the temporaries ``(value, bytes, offset)``, the
-    arguments ``(parameter number, bytes, shape)``, and every value's shape."""
-    temps, args, shapes = [], [], {}
+    arguments ``(parameter number, bytes, shape)``, every value's shape, and the names
+    of the values a loop carries (XLA's phis)."""
+    temps, args, shapes, phis = [], [], {}, set()
     kind = None
     for line in assignment.splitlines():
         head = _ALLOCATION.match(line)
@@ -243,10 +263,12 @@ def _values(assignment: str) -> tuple[list, list, dict[str, str]]:
                 kind = None  # past the allocations
             continue
         name = v.group(1) + (v.group(2) or "{}")
-        shapes[name] = v.group(5)
+        shapes[name] = v.group(6)
         if kind == "temp":
-            temps.append((name, int(v.group(3)), int(v.group(4))))
-    return temps, args, shapes
+            temps.append((name, int(v.group(4)), int(v.group(5))))
+            if v.group(3):
+                phis.add(name)
+    return temps, args, shapes, phis
 
 
 def _entry_parameters(hlo: str) -> dict[int, str]:
@@ -262,6 +284,25 @@ def _entry_parameters(hlo: str) -> dict[int, str]:
             name = _INSTR.match(line)
             out[int(m.group(1))] = op.group(1) if op else (name.group(1) if name else "")
     return out
+
+
+def _chain(now: tuple, others: list[tuple]) -> list[tuple]:
+    """The values ``(start, end, is a phi, name)`` one buffer live at the peak is made
+    of, by start: ``now`` and the values at its place that a loop passes it on through,
+    transitively (a stack a forward loop writes and a backward loop carries is several
+    values end to end, joined by the loops' phis). Two plain values in one place (an
+    elementwise op written over its input) stay apart."""
+    chain = [now]
+    grown = True
+    while grown:
+        grown = False
+        for o in others:
+            if o not in chain and any(
+                o[0] <= c[1] and o[1] >= c[0] and (o[2] or c[2]) for c in chain
+            ):
+                chain.append(o)
+                grown = True
+    return sorted(chain)
 
 
 def _covered(intervals: list[tuple[int, int]]) -> int:
