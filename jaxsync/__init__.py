@@ -93,6 +93,7 @@ from jaxsync._src.step.train_state import TrainState as TrainState
 from jaxsync._src.sync.collectives import bucket_all_gather as bucket_all_gather
 from jaxsync._src.sync.collectives import bucket_all_reduce as bucket_all_reduce
 from jaxsync._src.sync.collectives import bucket_reduce_scatter as bucket_reduce_scatter
+from jaxsync._src.sync.data_parallel import DataParallel as DataParallel
 from jaxsync._src.sync.finalize import ExpertParallel as ExpertParallel
 from jaxsync._src.sync.finalize import ParamSync as ParamSync
 from jaxsync._src.sync.finalize import SequenceParallel as SequenceParallel
@@ -106,7 +107,6 @@ from jaxsync._src.sync.grad_sync import raise_if_nonfinite as raise_if_nonfinite
 from jaxsync._src.sync.grad_sync import sync_grads as sync_grads
 from jaxsync._src.sync.grad_sync import value_and_grad as value_and_grad
 from jaxsync._src.sync.layer_tap import LayerStack as LayerStack
-from jaxsync._src.sync.scan_sync import DataParallel as DataParallel
 from jaxsync._src.sync.scan_sync import ShardedGrads as ShardedGrads
 from jaxsync._src.sync.views import tap as tap
 

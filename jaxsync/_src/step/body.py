@@ -22,9 +22,10 @@ from ..fsdp.grad import value_and_grad as fsdp_value_and_grad
 from ..fsdp.held import FsdpShards, plain
 from ..optim.logged import TreeNorms, rate_of, with_rate
 from ..optim.master import MasterState
+from ..sync.data_parallel import DataParallel
 from ..sync.grad_sync import all_reduce_grads, value_and_grad
 from ..sync.reduction import BUCKETED
-from ..sync.scan_sync import DataParallel, ShardedGrads, sync_value_and_grad
+from ..sync.scan_sync import ShardedGrads, sync_value_and_grad
 from .held import gather_held, held_buffers, master_rows, stand_ins, strip
 from .modes import deterministic_of
 from .parts import Plan, finish, loss_of, one_piece, outputs, scale_of, settle, unscale
@@ -126,7 +127,7 @@ def ddp_body(cfg: Any, plan: Plan, state: TrainState, batch: Any) -> tuple[Train
         # gather only; the per-param flags are each device's local ones, as ZeRO's.
         layout = sync.layout(state.params)
         sq, zeros = global_stats(list(local.shards), cfg.axis_name, padding_of([layout]))
-        grads = sync.gather(local, state.params, mode.reduce_dtype if widen else None)
+        grads = sync.gather(local.shards, state.params, mode.reduce_dtype if widen else None)
     else:
         grads = local
         if sync is None:  # the in-loop sync of stacked groups hands back the params' dtype
