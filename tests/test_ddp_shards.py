@@ -70,7 +70,7 @@ def _grads(mesh, sync):
         _, g = jaxsync.value_and_grad(_loss, axis_name="data", sync=sync)(params, batch)
         if isinstance(g, jaxsync.ShardedGrads):
             shapes.extend(s.shape for s in g.shards)
-            return sync.gather(g.shards, params)
+            return sync.gather(g.shards, sync.layout(params))
         return g
 
     tree = run(_params(), jaxsync.shard_batch(_batch(), mesh))

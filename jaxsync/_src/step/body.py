@@ -127,7 +127,7 @@ def ddp_body(cfg: Any, plan: Plan, state: TrainState, batch: Any) -> tuple[Train
         # gather only; the per-param flags are each device's local ones, as ZeRO's.
         layout = sync.layout(state.params)
         sq, zeros = global_stats(list(local.shards), cfg.axis_name, padding_of([layout]))
-        grads = sync.gather(local.shards, state.params, mode.reduce_dtype if widen else None)
+        grads = sync.gather(local.shards, layout, mode.reduce_dtype if widen else None)
     else:
         grads = local
         if sync is None:  # the in-loop sync of stacked groups hands back the params' dtype

@@ -102,10 +102,10 @@ class DataParallel:
             stacked=self.stacked,
         )
 
-    def gather(self, shards: Sequence[jax.Array], params: PyTree, dtype: Any = None) -> PyTree:
+    def gather(self, shards: Sequence[jax.Array], layout: Layout, dtype: Any = None) -> PyTree:
         """The reduced gradient tree of the ``.shards`` of the :class:`jaxsync.ShardedGrads`
-        that ``value_and_grad`` returns with ``shard_grads`` (inside shard_map; ``params``
-        as given to it). Leaves get their param's dtype unless ``dtype``."""
-        layout = self.layout(params)
+        that ``value_and_grad`` returns with ``shard_grads`` (inside shard_map), laid out
+        by ``layout``: :meth:`layout` of the params given to it. Leaves get their param's
+        dtype unless ``dtype``."""
         axes = bound_axes(self.axis_name, "DataParallel.gather")
         return layout.unflatten(gather_rows(tuple(shards), layout, axes), dtype)
