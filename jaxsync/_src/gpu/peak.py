@@ -198,13 +198,11 @@ def read_memory(live: str, assignment: str, hlo: str, stats: Any) -> MemoryRepor
         if covered > best:
             at, best = t, covered
     # One entry per buffer: the values live now at one offset are one buffer passed on
-    # (a stack written by a loop, then carried by it); named by the one that made it.
+    # (a stack written by a loop, then carried by it).
     held: dict[tuple[int, int], tuple[str, int, int]] = {}
     for v, (a, b) in timed:
         if a <= at <= b:
-            key = (v[2], v[1])
-            if key not in held or (held[key][0] in phis and v[0] not in phis):
-                held[key] = v
+            held.setdefault((v[2], v[1]), v)
     live_now = list(held.values())
 
     def made_by(name: str) -> str:
@@ -218,10 +216,10 @@ def read_memory(live: str, assignment: str, hlo: str, stats: Any) -> MemoryRepor
             made_by(steps[t]) if t in steps else str(t)
             for t in (chain[0][0], max(c[1] for c in chain))
         ]
-        # a loop's phi names no operation: the last value written into the buffer does
+        # named by the last value written into the buffer (a loop's phi names no operation)
         writers = [c for c in chain if not c[2] and c[0] <= at]
-        maker = writers[-1][3] if writers else name
-        return PeakBuffer(name, shapes.get(name, "").split("{")[0], size, made_by(maker),
+        name = writers[-1][3] if writers else name
+        return PeakBuffer(name, shapes.get(name, "").split("{")[0], size, made_by(name),
                           False, *ends)  # fmt: skip
 
     buffers = [buffer(*v) for v in live_now]
