@@ -9,8 +9,9 @@ starts and completes inside one body); its timeline credits it either way.
 - 1-D steps are double-buffered; 1-D FSDP and ZeRO also pipeline their per-layer
   all-gathers (ZeRO gathers its stacked layers in the forward), 1-D FSDP keeps its
   units' reduce-scatters apart (:data:`REDUCE_SCATTER_COMBINE`) and combines a
-  layer's all-gathers (:data:`ALL_GATHER_COMBINE`), and DDP pipelines its all-reduces
-  (the figures are at :data:`DOUBLE_BUFFERING` and :func:`step_compiler_options`).
+  layer's all-gathers (:data:`ALL_GATHER_COMBINE`); DDP's in-loop reduce-scatters are
+  pipelined by XLA's default (the figures are at :data:`DOUBLE_BUFFERING` and
+  :func:`step_compiler_options`).
 - 2-D steps (a layer loop that waits on the compiler's tensor-parallel
   collectives) keep the pipelined reduce-scatter off: measured on 64 x H100 as
   data=8 x model=8 (1B GPT, the earlier reader) it held one more layer in flight
@@ -46,19 +47,19 @@ DOUBLE_BUFFERING = "xla_gpu_enable_while_loop_double_buffering"
 #: rematerializes when its estimate of a program's peak, made before the scheduler runs,
 #: passes 80% of the GPU's memory; the unrolled body's second iteration puts a large DDP
 #: step there, and what it then recomputes is the backward loop's writes of the
-#: gradients. Measured when the stacked groups' loop all-reduced into the whole reduced
-#: stack; it now keeps 1/N of it (``DataParallel.shard_grads``) and the unrolling stays at
-#: any share (the same shape at 28, 34 and 40 layers, 50-67% of the GPU: 551.3 / 657.4 /
-#: 763.4 GB of kernel traffic not unrolled, 537.6 / 640.7 / 743.7 unrolled, memory the
-#: same to the MiB, nothing rematerialized at 28 and 34). Llama-3.2-3B's
-#: shape on 8 x H100 (state 50% of the GPU): 592.3 -> 549.1 GB of kernel traffic per
-#: step without the unrolling (the replicated step's 566.7), memory and XLA's timeline
-#: the same to 0.1%. Below the line the unrolling saves traffic: 1.1B Llama-style 402.2
-#: -> 391.7 GB, 1.2B GPT 306.3 -> 299.2 (states 16% and 13%). The same shape with fewer
-#: layers crossed it between 47.7% (26 layers: unrolled, 491.3 GB, nothing recomputed)
-#: and 50%; the share is set below that for steps with more activations per GPU, and
-#: between it and the line a step pays the unrolling's saving (24 layers, 44.8%: 458.1
-#: -> 479.0 GB, still under the replicated step's 493.4).
+#: gradients. Measured when the stacked groups' loop still all-reduced into the whole
+#: reduced stack: Llama-3.2-3B's shape on 8 x H100 (state 50% of the GPU), 592.3 -> 549.1
+#: GB of kernel traffic per step without the unrolling (the replicated step's 566.7),
+#: memory and XLA's timeline the same to 0.1%. Below the line the unrolling saves
+#: traffic: 1.1B Llama-style 402.2 -> 391.7 GB, 1.2B GPT 306.3 -> 299.2 (states 16% and
+#: 13%). The same shape with fewer layers crossed it between 47.7% (26 layers: unrolled,
+#: 491.3 GB, nothing recomputed) and 50%; the share is set below that for steps with more
+#: activations per GPU, and between it and the line a step pays the unrolling's saving
+#: (24 layers, 44.8%: 458.1 -> 479.0 GB, still under the replicated step's 493.4). The
+#: stacked groups' loop now keeps 1/N of the reduced stack (``DataParallel.shard_grads``)
+#: and stays unrolled at any share: the same shape at 28, 34 and 40 layers (50-67% of the
+#: GPU) moves 551.3 / 657.4 / 763.4 GB not unrolled, 537.6 / 640.7 / 743.7 unrolled, the
+#: memory the same to the MiB, nothing rematerialized at 28 and 34.
 DDP_TIGHT_SHARE = 0.4
 
 #: XLA combines independent reduce-scatters up to this many bytes into one. FSDP's
@@ -141,8 +142,11 @@ def step_compiler_options(
     - FSDP: 171.49 / 170.30 ms with the pipelined reduce-scatter off, 165.96 /
       158.92 with it, 163.10 / 152.81 with the pipelined all-gather too, for 4836 ->
       5298 MiB of temporaries;
-    - DDP: 185.90 / 185.54 ms -> 175.63 / 165.69 with the pipelined all-reduce,
-      7095 -> 7838 MiB;
+    - DDP, when its loop all-reduced: 185.90 / 185.54 ms -> 175.63 / 165.69 with the
+      pipelined all-reduce, 7095 -> 7838 MiB. Its loop now reduce-scatters
+      (``DataParallel.shard_grads``), which XLA pipelines by default; the all-reduce
+      option then changed nothing (the same compiled program, 161.72 ms, 17203 MiB), and
+      is no longer set;
     - ZeRO, its stacked layers gathered in the forward and again in the backward
       (``reshard_after_forward=True``): 165.77 / 158.45 ms -> 165.27 / 152.36 with
       the pipelined all-gather (the forward's gathers overlap the previous layer).
@@ -160,6 +164,4 @@ def step_compiler_options(
             wanted[ALL_GATHER_COMBINE] = layer_bytes
         if mode == "fsdp":
             wanted[REDUCE_SCATTER_COMBINE] = 1
-        if mode == "ddp":
-            wanted |= pipelined("all_reduce", True)
     return {k: v for k, v in wanted.items() if not set_by_user(k)}
