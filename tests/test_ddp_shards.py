@@ -14,9 +14,9 @@ import re
 from functools import partial
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
+from helpers import scanned_loss, scanned_params
 from jax.sharding import PartitionSpec as P
 
 import jaxsync
@@ -26,30 +26,9 @@ L, D = 3, 24
 MATRIX, VECTOR = 640, 128
 
 
-def _params(seed: int = 0) -> dict:
-    ks = jax.random.split(jax.random.PRNGKey(seed), 5)
-    return {
-        "inp": {"w": jax.random.normal(ks[0], (6, D)) * 0.5},
-        "blocks": {
-            "w1": jax.random.normal(ks[1], (L, D, D)) * D**-0.5,
-            "b1": jax.random.normal(ks[2], (L, D)) * 0.1,
-            "w2": jax.random.normal(ks[3], (L, D, D)) * D**-0.5,
-            "g": jnp.ones((L, D)),
-        },
-        "head": {"w": jax.random.normal(ks[4], (D, 3)) * D**-0.5},
-    }
-
-
-def _loss(params, batch):
-    x, y = batch
-    h = x @ params["inp"]["w"]
-
-    def body(h, p):
-        p = jaxsync.tap(p)
-        return h + jnp.tanh(h @ p["w1"] + p["b1"]) @ p["w2"] * p["g"], None
-
-    h, _ = jax.lax.scan(jax.checkpoint(body), h, params["blocks"])
-    return jnp.mean((h @ params["head"]["w"] - y) ** 2)
+def _params() -> dict:
+    """``helpers.scanned_params`` with [D, D] matrices and D-vectors per layer."""
+    return scanned_params(jax.random.PRNGKey(0), layers=L, din=6, d=D, hidden=D)
 
 
 def _batch(rows: int = 32):
@@ -61,13 +40,13 @@ def _batch(rows: int = 32):
 
 
 def _grads(mesh, sync):
-    """(the ShardedGrads' shard shapes, or None; the reduced tree) of ``_loss``."""
+    """(the ShardedGrads' shard shapes, or None; the reduced tree) of ``scanned_loss``."""
     shapes = []
 
     @jax.jit
     @partial(jax.shard_map, mesh=mesh, in_specs=(P(), P("data")), out_specs=P())
     def run(params, batch):
-        _, g = jaxsync.value_and_grad(_loss, axis_name="data", sync=sync)(params, batch)
+        _, g = jaxsync.value_and_grad(scanned_loss, axis_name="data", sync=sync)(params, batch)
         if isinstance(g, jaxsync.ShardedGrads):
             shapes.extend(s.shape for s in g.shards)
             return sync.gather(g.shards, sync.layout(params))
@@ -80,7 +59,7 @@ def _grads(mesh, sync):
 def test_shard_grads_gathers_the_gradient_of_one_device(mesh8):
     sync = jaxsync.DataParallel("data", stacked="blocks", shard_grads=True)
     shapes, got = _grads(mesh8, sync)
-    want = jax.grad(_loss)(_params(), _batch())  # one device, the global batch
+    want = jax.grad(scanned_loss)(_params(), _batch())  # one device, the global batch
     close = partial(np.testing.assert_allclose, rtol=2e-5, atol=2e-6)
     jax.tree.map(close, got, want)
     _, whole = _grads(mesh8, jaxsync.DataParallel("data", stacked="blocks"))
@@ -122,7 +101,7 @@ def test_a_ddp_step_carries_the_reduced_stack_as_shards(mesh8):
     """The backward loop of a DDP step writes each layer's reduced gradient into
     ``[L, shard]`` rows (one per stacked param), never into the whole ``[L, size]``
     stack; the whole stack is gathered after the loop, outside any loop."""
-    step = jaxsync.train_step(_loss, optax.sgd(0.1), mesh8, "ddp", stacked="blocks")
+    step = jaxsync.train_step(scanned_loss, optax.sgd(0.1), mesh8, "ddp", stacked="blocks")
     state = step.init(_params())
     text = step.lower(state, _batch()).compile().as_text()
     carries = _backward_carries(text)
@@ -136,14 +115,16 @@ def test_a_ddp_step_carries_the_reduced_stack_as_shards(mesh8):
     # and the step trains as SGD on one device does
     batch = _batch()
     state, _ = step(state, batch)
-    want = jax.tree.map(lambda p, g: p - 0.1 * g, _params(), jax.grad(_loss)(_params(), batch))
+    want = jax.tree.map(
+        lambda p, g: p - 0.1 * g, _params(), jax.grad(scanned_loss)(_params(), batch)
+    )
     jax.tree.map(partial(np.testing.assert_allclose, rtol=2e-5, atol=2e-6), state.params, want)
 
 
 def test_a_one_device_step_keeps_its_gradients_whole():
     """Nothing to shard on one device: the loop keeps the whole reduced stack."""
     one = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1])
-    step = jaxsync.train_step(_loss, optax.sgd(0.1), one, "ddp", stacked="blocks")
+    step = jaxsync.train_step(scanned_loss, optax.sgd(0.1), one, "ddp", stacked="blocks")
     state = step.init(_params())
     text = step.lower(state, _batch()).compile().as_text()
     assert f"f32[{L},{_WHOLE}]" in text and f"f32[{L},{VECTOR // 8}]" not in text
