@@ -14,8 +14,10 @@ import re
 from functools import partial
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from helpers import scanned_loss, scanned_params
 from jax.sharding import PartitionSpec as P
 
@@ -128,3 +130,85 @@ def test_a_one_device_step_keeps_its_gradients_whole():
     state = step.init(_params())
     text = step.lower(state, _batch()).compile().as_text()
     assert f"f32[{L},{_WHOLE}]" in text and f"f32[{L},{VECTOR // 8}]" not in text
+
+
+# ----------------------------------------------- experts: buffers over fewer axes
+AXES, E, F = ("data", "expert"), 2, 16
+RULES = jaxsync.SyncRules.of({r"^blocks\.experts\.": jaxsync.ExpertParallel("expert")})
+SPECS = {
+    "blocks": {
+        "w": P(),
+        "router": P(),
+        "experts": {"w1": P(None, "expert"), "w2": P(None, "expert")},
+    },
+    "out": P(),
+}
+
+
+def _moe_params() -> dict:
+    rng = np.random.default_rng(2)
+    n = lambda *s: rng.standard_normal(s).astype(np.float32) / np.sqrt(s[-2])  # noqa: E731
+    return {
+        "blocks": {
+            "w": n(L, 6, 6),
+            "router": n(L, 6, E),
+            "experts": {"w1": n(L, E, 6, F), "w2": n(L, E, F, 6)},
+        },
+        "out": n(6, 3),
+    }
+
+
+def _moe_loss(params, batch, local=False):
+    """Stacked blocks, each a residual tanh layer then a dense-routed MoE. ``local``:
+    each rank holds one expert per layer and runs it on the expert group's rows."""
+    x, y = batch
+
+    def body(h, p):
+        p = jaxsync.tap(p)
+        h = h + jnp.tanh(h @ p["w"])
+        gate = jax.nn.softmax(h @ p["router"])
+        w1, w2 = p["experts"]["w1"], p["experts"]["w2"]
+        if not local:
+            mix = sum(gate[:, e : e + 1] * (jax.nn.gelu(h @ w1[e]) @ w2[e]) for e in range(E))
+            return h + mix, None
+        ha = jax.lax.all_gather(h, "expert", tiled=True)
+        ga = jax.lax.all_gather(gate, "expert", tiled=True)
+        mine = jnp.take(ga, jax.lax.axis_index("expert"), axis=1)[:, None]
+        mix = jax.lax.psum_scatter(mine * (jax.nn.gelu(ha @ w1[0]) @ w2[0]), "expert", tiled=True)
+        return h + mix, None
+
+    h, _ = jax.lax.scan(body, x, params["blocks"])
+    return jnp.mean((h @ params["out"] - y) ** 2)
+
+
+@pytest.mark.parametrize("shard_grads", [True, False])
+def test_stacked_experts_reduce_over_their_own_axes(shard_grads):
+    """Experts reduced over ``data`` only (4 ranks), the rest over both axes (8), in the
+    backward loop; with ``shard_grads`` each stacked buffer reduce-scattered over its
+    own axes and gathered back over them. Either way the gradient of one device on
+    the global batch (both failed before a buffer's key carried its expert axis)."""
+    mesh = jax.make_mesh((4, 2), AXES)
+    sync = jaxsync.DataParallel(AXES, rules=RULES, stacked="blocks", shard_grads=shard_grads)
+    shapes = []
+
+    @jax.jit
+    @partial(jax.shard_map, mesh=mesh, in_specs=(SPECS, P(AXES)), out_specs=SPECS)
+    def run(params, batch):
+        loss = partial(_moe_loss, local=True)
+        _, g = jaxsync.value_and_grad(loss, axis_name=AXES, sync=sync)(params, batch)
+        if not shard_grads:
+            return g
+        assert isinstance(g, jaxsync.ShardedGrads)
+        shapes.extend(s.shape for s in g.shards)
+        return sync.gather(g.shards, sync.layout(params))
+
+    params, batch = _moe_params(), _batch()
+    placed = jax.tree.map(lambda x, s: jax.device_put(x, jax.NamedSharding(mesh, s)), params, SPECS)
+    got = run(placed, jaxsync.shard_batch(batch, mesh, axis_name=AXES))
+    want = jax.grad(_moe_loss)(params, batch)
+    jax.tree.map(partial(np.testing.assert_allclose, rtol=2e-5, atol=2e-6), got, want)
+    if shard_grads:
+        # per layer: w (36 elements) and the router (12), each padded to 128 over 8
+        # ranks; each rank's expert w1 / w2 (96) padded to lcm(4, 128) = 128 over 4
+        stacked = sorted(s for s in shapes if len(s) == 2)
+        assert stacked == sorted([(L, 16), (L, 16), (L, 32), (L, 32)]), stacked

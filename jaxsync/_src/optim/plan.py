@@ -19,7 +19,6 @@ import optax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from ..core.axes import varying_axes
 from ..core.held import check_not_held
 from ..core.introspect import is_muon
 from ..core.names import group_of, param_name
@@ -29,7 +28,7 @@ from ..layout.layout import Layout
 from ..layout.ownership import WholeMatrices
 from ..layout.placement import build_layout
 from ..layout.records import BufferKey
-from ..sync.finalize import ExpertParallel, SyncRules, sync_keys
+from ..sync.finalize import SyncRules, beyond_data, sync_keys
 from .checks import check_labels
 from .elementwise import check_elementwise
 from .layerwise import owned_transform
@@ -165,10 +164,7 @@ class Plan:
         """Layout inside shard_map: local shapes, varying axes from the params' types."""
         check_not_held(params, "distributed_optimizer")
         mesh_shape = dict(jax.sharding.get_abstract_mesh().shape)
-        dp = set(self.axes)
-        dp_only = dp - self.expert_axes()
-        varying = [tuple(varying_axes(x) - dp_only) for x in jax.tree.leaves(params)]
-        return self.layout(params, mesh_shape, varying)
+        return self.layout(params, mesh_shape, beyond_data(params, self.axes, self.rules))
 
     def layout_outside(
         self, params: PyTree, mesh: Mesh, param_specs: PyTree = None
@@ -187,11 +183,6 @@ class Plan:
         is_spec = lambda x: isinstance(x, P)  # noqa: E731
         varying = [spec_axes(spec) for spec in jax.tree.leaves(specs, is_leaf=is_spec)]
         return self.layout(local, dict(mesh.shape), varying), local, specs
-
-    def expert_axes(self) -> set[str]:
-        if self.rules is None:
-            return set()
-        return {r.axis for _, r in self.rules.rules if isinstance(r, ExpertParallel)}
 
     def _check_matrix(self, name: str, shape: tuple[int, ...]) -> None:
         """Muon owns 2-D matrices: a param (or a stacked param's layer) of another rank

@@ -22,7 +22,7 @@ from ..layout.layout import Layout
 from ..layout.placement import build_layout, check_bucket_size, normalize_stacked
 from ..layout.records import BufferKey
 from .collectives import gather_rows
-from .finalize import SyncRules, sync_keys
+from .finalize import SyncRules, beyond_data, sync_keys
 
 PyTree = Any
 
@@ -78,16 +78,18 @@ class DataParallel:
         """The all-reduce layout of local ``params`` (inside shard_map)."""
         shape = dict(jax.sharding.get_abstract_mesh().shape)
         syncs = sync_keys(self.rules, params, self.axis_name, shape)
+        varying = beyond_data(params, self.axis_name, self.rules)
         by_path = {
-            jax.tree_util.keystr(p): (s, param_name(p))
-            for (p, _), s in zip(
-                jax.tree_util.tree_flatten_with_path(params)[0], syncs, strict=True
+            jax.tree_util.keystr(p): (s, v, param_name(p))
+            for (p, _), s, v in zip(
+                jax.tree_util.tree_flatten_with_path(params)[0], syncs, varying, strict=True
             )
         }
 
         def key_fn(path: str, leaf: Any) -> BufferKey:
-            s, dotted = by_path[path]
-            key = BufferKey(jnp.dtype(leaf.dtype).name, s.dp_axes, None, s.sum_axes, s.mean_axes)
+            s, var, dotted = by_path[path]
+            dtype = jnp.dtype(leaf.dtype).name
+            key = BufferKey(dtype, s.dp_axes, None, s.sum_axes, s.mean_axes, var)
             alone = self.shard_grads and group_of(dotted, self.stacked)
             return key._replace(part=dotted) if alone else key
 

@@ -29,7 +29,7 @@ from typing import Any, NamedTuple
 
 import jax
 
-from ..core.axes import to_varying
+from ..core.axes import to_varying, varying_axes
 from ..core.names import param_name
 
 PyTree = Any
@@ -213,6 +213,25 @@ def sync_keys(
     if rules is None or not rules.rules:
         return [ParamSync(dp_axes)] * len(jax.tree.leaves(params))
     return rules.resolve(params, dp_axes, mesh_shape)
+
+
+def expert_axes(rules: SyncRules | None) -> frozenset[str]:
+    """The mesh axes of ``rules``' :class:`ExpertParallel` rules."""
+    if rules is None:
+        return frozenset()
+    return frozenset(r.axis for _, r in rules.rules if isinstance(r, ExpertParallel))
+
+
+def beyond_data(tree: Any, axes: tuple[str, ...], rules: SyncRules | None) -> list[tuple[str, ...]]:
+    """Per leaf of ``tree`` (inside shard_map), the mesh axes its values vary over beside
+    the data ``axes`` that are not expert axes, in the mesh's order: an expert param's
+    expert axis, a tensor-parallel piece's axis. A buffer's key carries them
+    (``BufferKey.varying``), so its in-loop gradients are typed as they are computed."""
+    data_only = frozenset(axes) - expert_axes(rules)
+    order = jax.sharding.get_abstract_mesh().axis_names
+    return [
+        tuple(a for a in order if a in varying_axes(x) - data_only) for x in jax.tree.leaves(tree)
+    ]
 
 
 def local_view(tree: Any, axes: tuple[str, ...], rules: SyncRules | None) -> Any:
