@@ -113,6 +113,17 @@ def _sink_axes(plan: _Plan, bi: int) -> tuple[str, ...]:
     return tuple(dict.fromkeys(dp + key.varying))
 
 
+def _flag_axes(plan: _Plan, bufs: tuple[int, ...]) -> tuple[str, ...]:
+    """The axes a stacked group's local non-finite flags vary over: the data axes and,
+    per buffer, those its local gradients vary over before jaxsync reduces them (a
+    tensor-parallel piece's, a sequence-parallel sum's)."""
+    axes = list(plan.axes)
+    for bi in bufs:
+        key = plan.layout.buffers[bi].key
+        axes += [a for a, _ in key.sum_axes] + list(key.mean_axes) + list(key.varying)
+    return tuple(dict.fromkeys(axes))
+
+
 def sync_value_and_grad(
     fun: Callable[..., Any],
     sync: Any,
@@ -189,7 +200,8 @@ def sync_value_and_grad(
             not off_sinks,
         )
         flag_sink = to_varying(
-            jnp.zeros((layout.buffers[bufs[0]].layers, len(slots)), jnp.float32), plan.axes
+            jnp.zeros((layout.buffers[bufs[0]].layers, len(slots)), jnp.float32),
+            _flag_axes(plan, bufs),
         )
         sinks[group] = (
             tuple(
