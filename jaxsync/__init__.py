@@ -90,6 +90,7 @@ from jaxsync._src.step.pieces.weighted import weighted_loss as weighted_loss
 from jaxsync._src.step.skips import AlwaysSkippedWarning as AlwaysSkippedWarning
 from jaxsync._src.step.step import TrainStep as TrainStep
 from jaxsync._src.step.train_state import TrainState as TrainState
+from jaxsync._src.step.unstacked import UnstackedScanWarning as UnstackedScanWarning
 from jaxsync._src.sync.collectives import bucket_all_gather as bucket_all_gather
 from jaxsync._src.sync.collectives import bucket_all_reduce as bucket_all_reduce
 from jaxsync._src.sync.collectives import bucket_reduce_scatter as bucket_reduce_scatter
@@ -147,6 +148,7 @@ __all__ = [
     "whole_matrices",
     "AlwaysSkippedWarning",
     "MultiStepsWarning",
+    "UnstackedScanWarning",
     "Bucket",
     "DDP",
     "FSDP",

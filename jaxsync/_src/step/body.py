@@ -31,14 +31,18 @@ from .modes import deterministic_of
 from .parts import Plan, finish, loss_of, one_piece, outputs, scale_of, settle, unscale
 from .train_state import TrainState, global_stats, padding_of
 from .two_d.body import spec_body
+from .unstacked import warn_unstacked
 
 
 def per_device(cfg: Any, plan: Plan, state: TrainState, batch: Any) -> tuple[TrainState, Any]:
     """One step on this device's rows: ``(new state, loss averaged over devices)``."""
     if plan.dims is not None:
-        return spec_body(cfg, plan, state, batch)
-    body = {"zero": zero_body, "ddp": ddp_body, "fsdp": fsdp_body}[cfg.mode.name]
-    return body(cfg, plan, state, batch)
+        out = spec_body(cfg, plan, state, batch)
+    else:
+        body = {"zero": zero_body, "ddp": ddp_body, "fsdp": fsdp_body}[cfg.mode.name]
+        out = body(cfg, plan, state, batch)
+    warn_unstacked(cfg, plan, state, batch)  # after the step traced: its errors come first
+    return out
 
 
 def grads_of(cfg: Any, plan: Plan, state: TrainState, batch: Any, sync: Any) -> tuple[Any, Any]:
