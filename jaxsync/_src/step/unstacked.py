@@ -5,7 +5,7 @@ by ``lax.scan``, trains correctly without ``stacked=``, but the step then reduce
 stack's gradient after the backward loop (nothing is left for the collectives to
 overlap) and ZeRO and FSDP gather and hold the whole stack at once. On 8 x H100
 (``benchmarks/bench_gpu.py``'s Llama-style 1.1B, compile-only) that is 21297 / 9925 /
-8988 MiB per GPU for DDP / ZeRO / FSDP against 17203 / 6035 / 5956 with
+8988 MiB per GPU for DDP / ZeRO / FSDP against 17203 / 5783 / 5704 with
 ``stacked="blocks"``. The step reads its traced loss once per compile
 (:func:`scanned_inputs`) and warns with the fix.
 """
