@@ -15,9 +15,11 @@ whichever JAX is installed).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import jax
 from jax.extend import core as jcore
 
 
@@ -104,3 +106,17 @@ def _rewrite_value(value: Any, rewrite: Callable[[Any], tuple[Any, bool]]) -> tu
             return value, False
         return type(value)(v for v, _ in subs), True
     return value, False
+
+
+def barrier_eqn(values: Sequence[Any], source_info: Any) -> tuple[Any, list]:
+    """An ``optimization_barrier`` equation over ``values`` (a jaxpr's variables) and
+    the variables it gives back, which XLA can neither compute early nor merge."""
+    out = [jcore.Var(v.aval) for v in values]
+    eqn = jcore.new_jaxpr_eqn(list(values), out, _barrier(), {}, jcore.no_effects, source_info)
+    return eqn, out
+
+
+@functools.cache
+def _barrier() -> Any:
+    """``optimization_barrier``'s primitive (not exported by ``jax.extend``)."""
+    return jax.make_jaxpr(jax.lax.optimization_barrier)(0.0).eqns[0].primitive

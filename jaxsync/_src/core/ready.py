@@ -23,15 +23,13 @@ earlier it sits on the loss's own peak (:func:`recompute_late`).
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Any
 
-import jax
 from jax.extend import core as jcore
 
 from .axes import aval_varying_axes
-from .jaxpr_compat import scan_num_carry, scan_num_consts
+from .jaxpr_compat import barrier_eqn, scan_num_carry, scan_num_consts
 from .sink import RETYPES
 
 _SCAN = jcore.primitives.scan_p
@@ -129,8 +127,7 @@ def _backward_loop(jaxpr: Any) -> int | None:
 
 def _tie(held: list, loop: Any) -> tuple[Any, list]:
     """An ``optimization_barrier`` over ``held``, and the values it gives back."""
-    tied = [jcore.Var(v.aval) for v in held]
-    return jcore.new_jaxpr_eqn(held, tied, _barrier(), {}, jcore.no_effects, loop.source_info), tied
+    return barrier_eqn(held, loop.source_info)
 
 
 def _swapped(e: Any, swap: dict) -> Any:
@@ -239,9 +236,3 @@ def _matmuls_behind(out: Any, made: dict, args: set) -> list:
 
 def _nbytes(aval: Any) -> int:
     return math.prod(aval.shape) * aval.dtype.itemsize
-
-
-@functools.cache
-def _barrier() -> Any:
-    """``optimization_barrier``'s primitive (not exported by ``jax.extend``)."""
-    return jax.make_jaxpr(jax.lax.optimization_barrier)(0.0).eqns[0].primitive

@@ -42,10 +42,16 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-import jax
 from jax.extend import core as jcore
 
-from .jaxpr_compat import closes_over_values, program, scan_keeping, scan_num_consts, with_program
+from .jaxpr_compat import (
+    barrier_eqn,
+    closes_over_values,
+    program,
+    scan_keeping,
+    scan_num_consts,
+    with_program,
+)
 
 _SCAN = jcore.primitives.scan_p
 _JIT = jcore.primitives.jit_p
@@ -168,11 +174,7 @@ def _hoisted_masks(eqns: Sequence[Any], made: dict[Any, list]) -> set[int]:
 def _fenced(e: Any) -> tuple[Any, Any]:
     """``(barrier, broadcast)``: the broadcast ``e`` reading its operand through an
     optimization barrier of its own, so XLA merges no other broadcast with it."""
-    operand = e.invars[0]
-    shape = jax.ShapeDtypeStruct(operand.aval.shape, operand.aval.dtype)
-    template = jax.make_jaxpr(jax.lax.optimization_barrier)(shape).jaxpr.eqns[0]
-    fenced = jcore.Var(operand.aval)
-    barrier = template.replace(invars=[operand], outvars=[fenced])
+    barrier, (fenced,) = barrier_eqn([e.invars[0]], e.source_info)
     return barrier, e.replace(invars=[fenced, *e.invars[1:]])
 
 
