@@ -244,6 +244,7 @@ def test_the_peeled_backward_does_not_read_the_forwards_hoisted_mask(mode, monke
     shape = f"pred[{c.batch_per_device},{c.heads},{c.seq},{c.seq}]"
     fenced = lowered_llama_step(mesh, step, size=c).compile().as_text()
     assert _backward_readers_of_the_mask(fenced, shape) == []
+    assert shape in _loop_operands(fenced)  # the forward still reads the hoisted mask
     monkeypatch.setattr(sink, "_hoisted_masks", lambda eqns, made: set())
     merged = lowered_llama_step(mesh, step, size=c).compile().as_text()
     assert _backward_readers_of_the_mask(merged, shape), "nothing peeled reads the mask"
