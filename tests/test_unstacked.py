@@ -68,3 +68,38 @@ def test_stack_groups_names_the_shortest_wholly_scanned_prefix():
     # all of blocks scanned; of enc, not `extra`: each scanned enc leaf is its own group
     assert stack_groups(names, {1, 2, 3, 4}) == ["blocks", "enc.w", "enc.b"]
     assert stack_groups(names, set()) == []
+
+
+def test_a_linen_scan_and_a_2d_step_are_named_too(mesh8):
+    """flax linen's ``nn.scan`` (its params under the scanned module's name) and a step
+    on a data x model mesh (the compiler's tensor parallelism) read the same way."""
+    import flax.linen as nn
+    from helpers import place_by_specs
+    from jax.sharding import AxisType
+    from tp_gpt import gpt_batches, gpt_loss, gpt_params, tp_specs
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, x, _):
+            return x + jnp.tanh(nn.Dense(8)(x)), None
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            axes, rngs = {"params": 0}, {"params": True}
+            scan = nn.scan(Block, variable_axes=axes, split_rngs=rngs, length=3)
+            return nn.Dense(1)(scan()(nn.Dense(8)(x), None)[0])
+
+    net, x = Net(), jnp.ones((16, 4))
+    params = net.init(jax.random.PRNGKey(0), x)["params"]
+
+    def loss(p, batch):
+        return jnp.mean((net.apply({"params": p}, batch[0]) - batch[1]) ** 2)
+
+    got = _warnings(mesh8, loss, params, (x, jnp.ones((16, 1))), mode="fsdp")
+    assert len(got) == 1 and "under 'ScanBlock_0'" in got[0], got
+    mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+    batch = jax.tree.map(lambda b: b[0], gpt_batches(jax.random.key(1), 1, 8))
+    placed = place_by_specs(mesh, gpt_params(jax.random.key(0)), tp_specs())
+    got = _warnings(mesh, gpt_loss, placed, batch, mode="zero")
+    assert len(got) == 1 and "under 'blocks'" in got[0], got
