@@ -31,7 +31,7 @@ from ..core.names import group_trees, in_group, param_name
 from ..layout.layout import Layout
 from .collectives import buffer_axes, mean_factor, reduce_bucket, reduce_scatter_packed, scale_by
 from .data_parallel import DataParallel
-from .finalize import SyncRules, local_view
+from .finalize import ParamSync, SyncRules, local_view
 from .layer_tap import LayerStack, TapSpec
 from .remat_keep import keep_gathered
 from .tap_rules import check_taps
@@ -117,10 +117,10 @@ def _flag_axes(plan: _Plan, bufs: tuple[int, ...]) -> tuple[str, ...]:
     """The axes a stacked group's local non-finite flags vary over: the data axes and,
     per buffer, those its local gradients vary over before jaxsync reduces them (a
     tensor-parallel piece's, a sequence-parallel sum's)."""
-    axes = list(plan.axes)
+    axes = plan.axes
     for bi in bufs:
         key = plan.layout.buffers[bi].key
-        axes += [a for a, _ in key.sum_axes] + list(key.mean_axes) + list(key.varying)
+        axes += ParamSync(key.axes, key.sum_axes, key.mean_axes).owned_axes + key.varying
     return tuple(dict.fromkeys(axes))
 
 
