@@ -98,3 +98,24 @@ def test_size_one_axes_and_used_axes_pass():
     mesh = jax.make_mesh((8, 1), ("data", "replica"))
     step = jaxsync.train_step(mlp_loss, optax.sgd(0.1), mesh, "zero")
     step.init(mlp_params(jax.random.PRNGKey(0)))
+
+
+@pytest.mark.parametrize("none", [None, [], ()])
+def test_no_loss_axes_spelled_none_or_empty_trains_as_the_default(none):
+    """``loss_axes=None`` or ``[]`` was refused with an error about `axis_name`,
+    which the user had not passed."""
+    require_devices(8)
+    mesh = jax.make_mesh((8,), ("data",))
+    params = mlp_params(jax.random.PRNGKey(0))
+    step = jaxsync.train_step(mlp_loss, optax.sgd(0.1), mesh, "zero", loss_axes=none)
+    want, _ = run_reference(optax.sgd(0.1), params, batches())
+    close(train(step, params), want)
+
+
+@pytest.mark.parametrize("bad", [7, ["data", ""], ("model", "model")])
+def test_a_bad_loss_axes_error_names_loss_axes(bad):
+    require_devices(8)
+    mesh = jax.make_mesh((4, 2), ("data", "model"))
+    with pytest.raises((TypeError, ValueError), match=r"^`loss_axes`") as e:
+        jaxsync.train_step(mlp_loss, optax.sgd(0.1), mesh, "zero", loss_axes=bad)
+    assert "axis_name" not in str(e.value)

@@ -24,23 +24,24 @@ UNKNOWN_AXIS = (
 )
 
 
-def normalize_axes(axis_name: AxisName) -> tuple[str, ...]:
-    """``"data"`` -> ``("data",)``; tuples pass through; rejects empty names."""
+def normalize_axes(axis_name: AxisName, name: str = "axis_name") -> tuple[str, ...]:
+    """``"data"`` -> ``("data",)``; tuples pass through; rejects empty names.
+    ``name``: the argument the axes came from, as the errors call it."""
     if isinstance(axis_name, str):
         axes = (axis_name,)
     elif isinstance(axis_name, tuple | list):
         axes = tuple(axis_name)
     else:
         raise TypeError(
-            f"`axis_name` must be a mesh axis name (a string such as 'data') or a tuple of "
+            f"`{name}` must be a mesh axis name (a string such as 'data') or a tuple of "
             f"them, got {axis_name!r} ({type(axis_name).__name__})."
         )
     if not axes or not all(isinstance(a, str) and a for a in axes):
         raise ValueError(
-            f"`axis_name` must be a mesh axis name or a non-empty tuple of them, got {axis_name!r}."
+            f"`{name}` must be a mesh axis name or a non-empty tuple of them, got {axis_name!r}."
         )
     if len(set(axes)) != len(axes):
-        raise ValueError(f"`axis_name` names an axis twice: {axis_name!r}.")
+        raise ValueError(f"`{name}` names an axis twice: {axis_name!r}.")
     return axes
 
 

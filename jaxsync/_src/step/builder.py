@@ -44,7 +44,7 @@ def train_step(
     has_aux: bool = False,
     aux_reduce: Mapping[str, str] | None = None,
     state_reduce: Mapping[str, str] | None = None,
-    loss_axes: AxisName = (),
+    loss_axes: AxisName | None = (),
     metrics: TrainerMetrics | bool | None = None,
     **mode_options: Any,
 ) -> TrainStep:
@@ -111,6 +111,7 @@ def train_step(
         data axis, in a param's sharding, named by ``rules``, or here: an idle axis
         (a trainer's ``("replica", "data")`` mesh with the default ``axis_name``) would
         run each device's rows once per device along it, and is refused at ``init``.
+        ``None`` or ``()`` (the default): none.
       metrics: a :class:`jaxsync.TrainerMetrics` (or ``True`` for its defaults): the
         step also records ``state.metrics.update_norm``, ``param_norm`` and
         ``learning_rate``, computed where the update is made (on the shards under
@@ -141,7 +142,9 @@ def train_step(
         raise TypeError(f"`mesh` must be a jax.sharding.Mesh (jax.make_mesh), got {mesh!r}.")
     axes = normalize_axes(axis_name)
     mesh_axes_size(mesh, axes, "jaxsync.train_step")
-    loss_axes = () if loss_axes == () else normalize_axes(loss_axes)
+    # None or an empty sequence: the loss works over no mesh axis (the default)
+    empty = loss_axes is None or (isinstance(loss_axes, tuple | list) and not loss_axes)
+    loss_axes = () if empty else normalize_axes(loss_axes, "loss_axes")
     missing = [a for a in loss_axes if a not in mesh.axis_names]
     if missing:
         raise ValueError(
