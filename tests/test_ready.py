@@ -68,6 +68,35 @@ def test_the_heads_gradient_is_tied_to_the_backward_loops_input():
     assert len(eqns) == len(closed.jaxpr.eqns) + 1
 
 
+def _cast_loss(params, x, y):
+    """fp32 params, bf16 compute (a DDP step's model): the head's gradient leaves the
+    program in fp32, the transpose of the cast of its bf16 matmul."""
+    bf16 = jax.tree.map(lambda p: p.astype(jnp.bfloat16), params)
+    return _loss(bf16, x.astype(jnp.bfloat16), y).astype(jnp.float32)
+
+
+def test_a_gradient_handed_out_widened_is_held_narrow_across_the_loop():
+    """The barrier holds the bf16 matmul result; the fp32 cast waits for the loop.
+    Tied in fp32 it held twice the bytes across the loop (Llama-3.2-1B's shape on
+    8 x H100, DDP: the head's gradient, 1002 MiB against 501)."""
+    args = _args(tokens=64, vocab=256)
+    closed = jax.make_jaxpr(jax.value_and_grad(_cast_loss))(*args)
+    tied = ready.ready_first(closed)
+    eqns = tied.jaxpr.eqns
+    (b,) = [i for i, e in enumerate(eqns) if e.primitive.name == "optimization_barrier"]
+    loop = next(i for i, e in enumerate(eqns) if e.primitive.name == "scan" and e.params["reverse"])
+    assert b < loop
+    (held,) = eqns[b].outvars[:-1]
+    assert (held.aval.shape, held.aval.dtype) == ((D, 256), jnp.bfloat16)
+    widen = next(i for i, e in enumerate(eqns) if held in e.invars)
+    assert eqns[widen].primitive.name == "convert_element_type" and widen > loop
+    assert eqns[widen].outvars[0].aval.dtype == jnp.float32
+    want = jax.jit(jax.value_and_grad(_cast_loss))(*args)
+    got = jax.jit(grad_program.value_and_grad(_cast_loss))(*args)
+    for w, g in zip(jax.tree.leaves(want), jax.tree.leaves(got), strict=True):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
 def test_values_are_jax_value_and_grads_exactly():
     args = _args(tokens=64, vocab=256, seed=1)
     want = jax.jit(jax.value_and_grad(_loss))(*args)
