@@ -340,7 +340,9 @@ def held(report: jaxsync.ScheduleReport) -> int:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", choices=sorted(MODELS), default="llama")
-    ap.add_argument("--size", default="1b", help="gpt: quick/1b/8b; llama: quick/1b/3b/7b")
+    ap.add_argument(
+        "--size", default="1b", help="gpt: quick/1b/8b; llama: quick/1b/3b/7b, held out 1b128k/8b"
+    )
     ap.add_argument("--quick", action="store_true", help="--size quick")
     ap.add_argument("--gpu", default="h100", choices=sorted(jaxsync.GPUS))
     ap.add_argument("--hosts", type=int, default=1)

@@ -48,6 +48,12 @@ SIZES = {
     # (embedding and head 0.4B params each), GQA 24/8; ~3.6B params untied.
     "3b": Config(vocab=128256, seq=2048, d_model=3072, heads=24, kv_heads=8, ffn=8192,
                  layers=28, batch_per_device=2),
+    # Held-out shapes, measured once and never tuned on (docs/gpu.md, "Shapes we did not
+    # tune on"): Llama-3.2-1B's (untied: 1.5B) at 8 GPUs, Llama-3-8B's at 64.
+    "1b128k": Config(vocab=128256, seq=2048, d_model=2048, heads=32, kv_heads=8, ffn=8192,
+                     layers=16, batch_per_device=4),
+    "8b": Config(vocab=128256, seq=2048, d_model=4096, heads=32, kv_heads=8, ffn=14336,
+                 layers=32, batch_per_device=2),
 }  # fmt: skip
 
 

@@ -143,4 +143,6 @@ def test_sizes():
     )
     assert 1.05e9 < count(llama.SIZES["1b"]) < 1.2e9
     assert 6.5e9 < count(llama.SIZES["7b"]) < 7.5e9
+    assert 1.4e9 < count(llama.SIZES["1b128k"]) < 1.6e9  # Llama-3.2-1B's shape, untied
+    assert 7.9e9 < count(llama.SIZES["8b"]) < 8.2e9  # Llama-3-8B's
     assert count(llama.SIZES["quick"]) < 5e7
