@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from conftest import require_devices
 from helpers import make_batches, mlp_loss, mlp_params, sharded_step
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -104,6 +105,47 @@ def test_resume_on_another_dp_size(tmp_path, setup, n_from, n_to):
             np.testing.assert_array_equal(a32, b32)
         else:  # other reduction order: bf16 params at most one ulp apart
             np.testing.assert_allclose(a32, b32, rtol=2**-7, atol=1e-4)
+
+
+@pytest.mark.parametrize("n_to", [8, 4])
+def test_restored_params_land_on_the_mesh_restored_onto(tmp_path, setup, n_to):
+    """``restore(params_like=<the run's own arrays>, mesh=...)`` gave the params back on
+    their template's devices (one device, or the old mesh) beside an optimizer state on
+    ``mesh``, and the next step refused the mix of devices (found by probing the
+    documented resume; the other tests here placed the params themselves)."""
+    params, tx, batches = setup  # built on the host: one device's arrays
+    m8, mb = mesh_of(8), mesh_of(n_to)
+    p, s = trainer(m8, tx, params)(params, tx.sharded_init(params, m8), batches, 0, 2)
+    want, _ = trainer(m8, tx, params)(p, s, batches, 2, 3)  # uninterrupted
+    ck = jaxsync.Checkpointer(tmp_path / "ck", async_save=False)
+    ck.save(2, params=p, opt_state=s, tx=tx, mesh=m8)
+    step = sharded_step(mb, tx, params)
+    batch = jaxsync.shard_batch((batches[0][2], batches[1][2]), mb)
+    for like in (params, p):  # one device's arrays; the 8-device mesh's
+        r = ck.restore(params_like=like, tx=tx, mesh=mb)
+        whole = NamedSharding(mb, P())
+        assert all(x.sharding.is_equivalent_to(whole, x.ndim) for x in jax.tree.leaves(r.params))
+        got, _ = step(r.params, r.opt_state, batch)  # as restored, no device_put
+        for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got), strict=True):
+            a32, b32 = np.asarray(a, np.float32), np.asarray(b, np.float32)
+            if n_to == 8:
+                np.testing.assert_array_equal(a32, b32)
+            else:  # another reduction order: bf16 params at most one ulp apart
+                np.testing.assert_allclose(a32, b32, rtol=2**-7, atol=1e-4)
+
+
+def test_a_template_sharded_over_an_axis_the_mesh_lacks_is_named(tmp_path):
+    require_devices(8)
+    params = {"w": jnp.arange(8.0).reshape(2, 4)}
+    ck = jaxsync.Checkpointer(tmp_path / "ck", async_save=False)
+    ck.save(1, params=params, opt_state={})
+    two_d = jax.make_mesh((4, 2), ("data", "model"))
+    like = {"w": jax.device_put(params["w"], NamedSharding(two_d, P(None, "model")))}
+    r = ck.restore(params_like=like, opt_state_like={}, mesh=two_d)  # the same mesh: kept
+    assert r.params["w"].sharding == NamedSharding(two_d, P(None, "model"))
+    np.testing.assert_array_equal(np.asarray(r.params["w"]), np.asarray(params["w"]))
+    with pytest.raises(ValueError, match=r"params_like\['w'\] is sharded .* \['model'\]"):
+        ck.restore(params_like=like, opt_state_like={}, mesh=mesh_of(4))
 
 
 def test_mismatched_checkpoint_lists_every_difference(tmp_path, setup):

@@ -39,6 +39,7 @@ from .checksum import tree_checksums
 from .describe import DISTRIBUTED, describe_optimizer, optimizer_differences
 from .io import CheckpointIO
 from .lock import WriterLock
+from .placement import abstract_on
 from .records import (
     CHECKS_ITEM,
     FSDP_PADDING,
@@ -291,7 +292,9 @@ class Checkpointer(CheckpointIO):
 
         Args:
           params_like: arrays or ``ShapeDtypeStruct``s (with shardings) shaped like
-            the params; restored params get their shardings (replicated if none).
+            the params; restored params get their shardings, moved onto ``mesh``
+            when given (a ``NamedSharding`` keeps its spec; anything else, a single
+            device's or none, is replicated there).
           opt_state_like: the optimizer state's abstract form, for optimizers
             other than a :class:`DistributedOptimizer` (pass ``tx`` and ``mesh``
             for those: the state is rebuilt for ``mesh``'s DP size).
@@ -335,23 +338,17 @@ class Checkpointer(CheckpointIO):
         ):
             raise ValueError(NEEDS_OPT_STATE_LIKE.format(step=step, dir=self.directory))
 
-        def abstract(x: Any, sharding: Any = None) -> jax.ShapeDtypeStruct:
-            s = sharding or getattr(x, "sharding", None)
-            if s is None and mesh is not None:
-                s = NamedSharding(mesh, P())
-            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
-
-        params_abs = jax.tree.map(abstract, params_like)
+        params_abs = abstract_on(params_like, mesh, "params_like")
         if distributed:
             if mesh is None:
                 raise ValueError(NEEDS_MESH)
             opt_abs = tx.portable_shapes(params_like, mesh)
         else:
-            opt_abs = jax.tree.map(abstract, opt_state_like)
+            opt_abs = abstract_on(opt_state_like, mesh, "opt_state_like")
         target = {
             "params": params_abs,
             "opt_state": opt_abs,
-            "extra": jax.tree.map(abstract, extra_like or {}),
+            "extra": abstract_on(extra_like or {}, mesh, "extra_like"),
         }
         # The optimizer first: a changed setting explains missing arrays better.
         changed = []
