@@ -212,3 +212,15 @@ def test_stacked_experts_reduce_over_their_own_axes(shard_grads):
         # ranks; each rank's expert w1 / w2 (96) padded to lcm(4, 128) = 128 over 4
         stacked = sorted(s for s in shapes if len(s) == 2)
         assert stacked == sorted([(L, 16), (L, 16), (L, 32), (L, 32)]), stacked
+
+
+def test_layout_outside_shard_map_says_where_it_runs():
+    """It raised a bare ``KeyError: 'data'`` (found by probing the public API)."""
+    dp = jaxsync.DataParallel("data", stacked="blocks", shard_grads=True)
+    with pytest.raises(ValueError, match=r"DataParallel.layout must run inside `jax.shard_map`"):
+        dp.layout(_params())
+    mesh = jax.make_mesh((8,), ("data",))
+    inside = jax.shard_map(
+        lambda p: jnp.int32(len(dp.layout(p).buffers)), mesh=mesh, in_specs=P(), out_specs=P()
+    )
+    assert int(inside(_params())) > 0  # inside, it lays the params out

@@ -76,6 +76,7 @@ class DataParallel:
 
     def layout(self, params: PyTree) -> Layout:
         """The all-reduce layout of local ``params`` (inside shard_map)."""
+        bound_axes(self.axis_name, "DataParallel.layout")  # else a bare KeyError below
         shape = dict(jax.sharding.get_abstract_mesh().shape)
         syncs = sync_keys(self.rules, params, self.axis_name, shape)
         varying = beyond_data(params, self.axis_name, self.rules)
