@@ -348,3 +348,20 @@ def test_bad_units(mesh8):
         jaxsync.fully_shard(params, axis_name="data", units=UNITS + ["blocks.2"], mesh=mesh8)
     with pytest.raises(ValueError, match="not an axis of the mesh"):
         jaxsync.fully_shard(params, axis_name="fsdp", units=UNITS, mesh=mesh8)
+
+
+def test_misuse_outside_the_step_is_named(mesh8):
+    """``value_and_grad`` outside shard_map raised a bare ``KeyError: 'data'`` and
+    ``unshard(params)`` an ``unhashable type: 'slice'`` (found by probing the API)."""
+    params = init(jax.random.PRNGKey(0))
+    fs = jaxsync.fully_shard(params, axis_name="data", units=UNITS, mesh=mesh8)
+    shards = fs.shard(params, mesh8)
+    inside = r"FullyShard.value_and_grad must run inside `jax.shard_map`"
+    with pytest.raises(ValueError, match=inside):
+        fs.value_and_grad(lambda s, b: jnp.sum(s["head"]) * b, shards, jnp.ones(16))
+    by_unit = {u: fs.unit_params(params, u) for u in UNITS}  # params, keyed like shards
+    with pytest.raises(ValueError, match=r"unshard: `shards\['.*'\]` is a dict, not the unit's"):
+        fs.unshard(by_unit)
+    back = fs.unshard(shards)  # the right input still round-trips
+    for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(params), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

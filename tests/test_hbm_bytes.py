@@ -82,10 +82,13 @@ def test_library_matmuls_are_matmuls_and_collectives_are_left_out():
 
 
 def test_bad_input_is_named():
-    with pytest.raises(TypeError, match="compiled HLO"):
+    """The errors name `hbm_bytes` (they named `overlap_report`, whose check it shares)."""
+    with pytest.raises(TypeError, match="^`hbm_bytes` needs compiled HLO"):
         jaxsync.hbm_bytes(42)
-    with pytest.raises(ValueError, match="StableHLO"):
+    with pytest.raises(ValueError, match="^`hbm_bytes` needs compiled HLO.*StableHLO"):
         jaxsync.hbm_bytes(jax.jit(lambda x: x).lower(1.0).as_text())
+    with pytest.raises(TypeError, match="^`overlap_report` needs compiled HLO"):
+        jaxsync.overlap_report(42)
 
 
 def test_what_xla_rematerialized_is_counted_apart():

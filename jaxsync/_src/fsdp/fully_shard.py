@@ -242,7 +242,10 @@ class FullyShard:
         ``mesh`` defaults to the one given to :func:`fully_shard`. ``shards`` may be
         an FSDP step's ``state.params`` (a :class:`jaxsync.FsdpShards`).
         """
-        return _unshard(self, plain(shards), self._mesh(mesh, "FullyShard.unshard"))
+        shards = plain(shards)
+        for unit in self.units:
+            self._check_unit(unit, "FullyShard.unshard", shards)
+        return _unshard(self, shards, self._mesh(mesh, "FullyShard.unshard"))
 
     # ---------------------------------------------------------------- gather
     def gather(self, shards: dict[str, jax.Array], unit: str) -> dict[str, jax.Array]:
@@ -341,6 +344,7 @@ class FullyShard:
         ``False`` gathers all units once, accumulates full local gradients and
         reduce-scatters once (less communication, more memory).
         """
+        bound_axes(self.axes + self.replicate_axes, "FullyShard.value_and_grad")
         return _value_and_grad(
             self, loss_fn, plain(shards), batch, microbatches=microbatches,
             sync_grad_accum=sync_grad_accum, has_aux=has_aux,

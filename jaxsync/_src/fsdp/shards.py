@@ -57,6 +57,13 @@ def shard(fs: FullyShardT, params: PyTree, mesh: Mesh) -> dict[str, jax.Array]:
 
 def unshard(fs: FullyShardT, shards: dict[str, jax.Array], mesh: Mesh) -> PyTree:
     """:meth:`FullyShard.unshard`."""
+    for u in fs.units:
+        if not hasattr(shards[u], "shape"):  # e.g. the params themselves
+            raise ValueError(
+                f"FullyShard.unshard: `shards[{u!r}]` is a {type(shards[u]).__name__}, not the "
+                "unit's flat shard array; pass the dict {unit: shard} that `fs.shard(params)` "
+                "returns (or an FSDP step's `state.params`)."
+            )
     leaves: list[Any] = [None] * len(fs.param_names)
 
     def build(shards: dict[str, jax.Array]) -> PyTree:

@@ -50,7 +50,7 @@ _TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
 _OP_NAME = re.compile(r'op_name="((?:[^"\\]|\\.)*)"')
 
 _NOT_HLO = (
-    "`overlap_report` needs compiled HLO (an `HloModule ...` text), got {got!r}. "
+    "`{fn}` needs compiled HLO (an `HloModule ...` text), got {got!r}. "
     "Pass `jax.jit(f).lower(*args).compile()` or its `.as_text()`; "
     "`.lower(...).as_text()` is StableHLO, before XLA placed anything."
 )
@@ -219,13 +219,14 @@ def overlap_report(compiled_or_text: Any) -> OverlapReport:
     return OverlapReport(collectives=tuple(sites), scheduled=scheduled)
 
 
-def hlo_text(compiled_or_text: Any) -> str:
-    """The optimized HLO text of a ``jax.stages.Compiled`` (or that text), checked."""
+def hlo_text(compiled_or_text: Any, fn: str = "overlap_report") -> str:
+    """The optimized HLO text of a ``jax.stages.Compiled`` (or that text), checked;
+    ``fn``: the public function the errors name."""
     if not isinstance(compiled_or_text, str) and not hasattr(compiled_or_text, "as_text"):
-        raise TypeError(_NOT_HLO.format(got=type(compiled_or_text).__name__))
+        raise TypeError(_NOT_HLO.format(fn=fn, got=type(compiled_or_text).__name__))
     text = compiled_or_text if isinstance(compiled_or_text, str) else compiled_or_text.as_text()
     if "HloModule" not in text:
-        raise ValueError(_NOT_HLO.format(got=text.strip()[:60] + "..."))
+        raise ValueError(_NOT_HLO.format(fn=fn, got=text.strip()[:60] + "..."))
     return text
 
 

@@ -134,7 +134,7 @@ def hbm_bytes(compiled_or_text: Any) -> TrafficReport:
       >>> report = jaxsync.hbm_bytes(step.lower(state, batch).compile())
       >>> print(report.total / 1e9, "GB per step", report.by_kind())
     """
-    comps, entry = _parse(hlo_text(compiled_or_text))
+    comps, entry = _parse(hlo_text(compiled_or_text, "hbm_bytes"))
     loops = _loop_context(comps, entry)
     # Computations run inside a kernel: fused ones, and the reductions an op applies.
     fused = {
