@@ -20,7 +20,7 @@ from ..core.grad_program import value_and_grad as program_value_and_grad
 from ..core.validate import check_loss
 from ..sync.remat_keep import keep_fsdp_gathered
 from ..sync.tap_rules import check_no_gather_under_cond
-from ..sync.views import call_with_views
+from ..sync.views import NEVER_TAPPED, call_with_views
 
 # The jaxsync.FullyShard whose method calls this: passed in, not imported (fsdp.py
 # imports this module).
@@ -44,7 +44,9 @@ def value_and_grad(
 
     # A views scope: an NNX loss merges fs.view(shards) with jaxsync.merge_module.
     scoped = call_with_views(loss_fn, tuple(fs._layers), "FSDP's sharded layers")
-    loss_fn = _checked_loss(scoped, has_aux, fs.axes, keep=not fs.reshard_after_forward)
+    loss_fn = _checked_loss(
+        scoped, has_aux, fs.axes, keep=not fs.reshard_after_forward, stacked=tuple(fs._layers)
+    )
     if microbatches == 1:
         narrow = _alone_dtype(fs, shards)
         if narrow is None:
@@ -86,15 +88,24 @@ def value_and_grad(
 
 
 def _checked_loss(
-    loss_fn: Callable[..., Any], has_aux: bool, axes: Any, keep: bool = False
+    loss_fn: Callable[..., Any],
+    has_aux: bool,
+    axes: Any,
+    keep: bool = False,
+    stacked: tuple[str, ...] = (),
 ) -> Callable[..., Any]:
     """``loss_fn`` with the checks every mode makes of its loss (not yet averaged);
     ``keep``: every remat around a unit's gather keeps the gathered params
-    (``reshard_after_forward=False``, :func:`remat_keep.keep_fsdp_gathered`)."""
+    (``reshard_after_forward=False``, :func:`remat_keep.keep_fsdp_gathered`);
+    ``stacked``: the stacked units, which a model module holds as placeholders."""
 
     def checked(*args: Any) -> Any:
         # Traced into a jaxpr, checked, and run from it (no second trace of the loss).
         closed, shape = jax.make_jaxpr(loss_fn, return_shape=True)(*args)
+        if stacked and any(isinstance(c, jax.ShapeDtypeStruct) for c in closed.consts):
+            # A module's placeholders of a stacked unit read as values (a plain
+            # nnx.scan, no tap): JAX would fail only when lowering, with its own words.
+            raise ValueError(NEVER_TAPPED.format(groups=sorted(stacked)))
         check_no_gather_under_cond(closed.jaxpr, tuple(axes))
         if keep:
             closed = keep_fsdp_gathered(closed)
