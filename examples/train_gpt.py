@@ -526,6 +526,9 @@ def train(
     )
     tokens_per_step = t["global_batch"] * model_cfg.seq_len
     metrics_path = os.path.join(run_dir, "metrics.jsonl")
+    # Resumed from an older checkpoint than the last record (a run that died between
+    # a log and its next checkpoint): the steps after it are run, and logged, again.
+    earlier = trim_metrics(metrics_path, start) if args.resume and lead else []
     if lead:
         with open(os.path.join(run_dir, "run.json"), "w") as f:
             json.dump(
@@ -671,14 +674,30 @@ def train(
             np.savez(args.dump_params, **flat)
     plot = write_plot(metrics_path, console) if lead and history else None
     if history:
-        vals = [r["val_loss"] for r in history if "val_loss" in r]
+        run = earlier + history  # the whole run's first record, not this session's
+        vals = [r["val_loss"] for r in run if "val_loss" in r]
         console.print(
-            f"done: loss {history[0]['loss']:.3f} -> {history[-1]['loss']:.3f}, val_loss "
+            f"done: loss {run[0]['loss']:.3f} -> {run[-1]['loss']:.3f}, val_loss "
             f"{vals[0]:.3f} -> {vals[-1]:.3f}; metrics in {metrics_path}"
             + (f", plot in {plot}" if plot else ""),
             highlight=False,
         )
     return {"params": train_step.params(state), "history": history, "plot": plot}
+
+
+def trim_metrics(path: str, upto: int) -> list[dict]:
+    """The records of ``path`` up to step ``upto`` (the checkpoint resumed from); the
+    file keeps only those, so that it stays one record per logged step."""
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        records = [json.loads(line) for line in f if line.strip()]
+    kept = [r for r in records if r.get("step", 0) <= upto]
+    if len(kept) < len(records):
+        with open(path + ".tmp", "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in kept)
+        os.replace(path + ".tmp", path)
+    return kept
 
 
 def write_plot(metrics_path: str, console: Console) -> str | None:

@@ -7,6 +7,7 @@ its batches do not depend on how many devices or processes share them."""
 import argparse
 import json
 import os
+import shutil
 import sys
 
 import jax
@@ -225,3 +226,23 @@ def test_the_trainer_checks_its_replicas_and_reruns_a_suspicious_step(tmp_path):
     assert by_step[1]["lr"] == 0.0 and by_step[1]["update_norm"] == 0.0
     assert all(by_step[s]["lr"] > 0 and by_step[s]["update_norm"] > 0 for s in (4, 8))
     assert all(r["param_norm"] > 0 and r["grad_norm"] > 0 for r in records)
+
+
+def test_a_resume_from_an_older_checkpoint_logs_each_step_once(tmp_path):
+    """A run that died after logging step 4 but before its step-4 checkpoint resumes
+    from step 2 and runs 3 and 4 again: metrics.jsonl held steps [1, 2, 3, 4, 3, 4],
+    and the summary started from the resumed session's first record (found by
+    probing the trainer)."""
+    run = tmp_path / "run"
+    cfg = yaml_with(tmp_path, checkpoint={"every": 2, "async": False}, log_every=1)
+    argv = ["--config", cfg, "--run-dir", str(run), "--steps", "4"]
+    train_gpt.main(argv)
+    first = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in first] == [1, 2, 3, 4]
+    shutil.rmtree(run / "checkpoints" / "4")  # as if the run died before it landed
+    out = train_gpt.main([*argv, "--resume"])
+    assert [r["step"] for r in out["history"]] == [3, 4]
+    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines] == [1, 2, 3, 4]
+    # the steps run again are the same steps: the same losses, bit for bit
+    assert [r["loss"] for r in lines] == [r["loss"] for r in first]
