@@ -344,7 +344,6 @@ class FullyShard:
         ``False`` gathers all units once, accumulates full local gradients and
         reduce-scatters once (less communication, more memory).
         """
-        bound_axes(self.axes + self.replicate_axes, "FullyShard.value_and_grad")
         return _value_and_grad(
             self, loss_fn, plain(shards), batch, microbatches=microbatches,
             sync_grad_accum=sync_grad_accum, has_aux=has_aux,

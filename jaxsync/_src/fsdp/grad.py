@@ -14,7 +14,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ..core.axes import axes_size, to_varying
+from ..core.axes import axes_size, bound_axes, to_varying
 from ..core.grad_program import run_jaxpr
 from ..core.grad_program import value_and_grad as program_value_and_grad
 from ..core.validate import check_loss
@@ -41,6 +41,7 @@ def value_and_grad(
     """:meth:`FullyShard.value_and_grad`; ``all_aux``: the aux of every microbatch,
     stacked ``[microbatches, ...]`` (``train_step`` combines them), not the last's."""
     check_microbatches(microbatches, batch)
+    bound_axes(fs.axes + fs.replicate_axes, "FullyShard.value_and_grad")
 
     # A views scope: an NNX loss merges fs.view(shards) with jaxsync.merge_module.
     scoped = call_with_views(loss_fn, tuple(fs._layers), "FSDP's sharded layers")
