@@ -21,7 +21,7 @@ from ..core.validate import check_bool, check_positive
 from ..layout.placement import normalize_stacked
 from ..optim.logged import TrainerMetrics, check_metrics, check_zero_padding, norms_on
 from ..optim.loss_scale import LossScale, check_loss_scale
-from .checks import labeled_tx
+from .checks import check_step_rules, labeled_tx
 from .modes import Mode, deterministic_of, mode_of
 from .pieces.meaning import AUX_RULES, STATE_RULES, check_rules
 from .pieces.weighted import WeightedLoss
@@ -135,6 +135,7 @@ def train_step(
       >>> params = step.params(state)
     """
     mode = mode_of(mode, mode_options)
+    check_step_rules(mode, "jaxsync.train_step")
     if not callable(loss_fn):
         raise TypeError(f"`loss_fn` must be callable as loss_fn(params, batch), got {loss_fn!r}.")
     _check_tx(tx, labels, mode.name)

@@ -135,6 +135,26 @@ SPEC_DIVIDES = (
 )
 
 
+GROUPED_TIE = (
+    "{fn}: the rule for {prefix!r} is Tied({axis!r}, groups={groups}), which sums the "
+    "gradient within each group of stages only, so the groups' copies would part ways; "
+    "but a train step holds every param under `rules` replicated over {axis!r} (one copy "
+    "for all its stages). Pass `groups=None` (all stages share the one copy), or hold "
+    "the param per stage on the explicit path (`jaxsync.value_and_grad` and "
+    "`jaxsync.all_reduce_grads` with `rules=`)."
+)
+
+
+def check_step_rules(mode: Any, fn: str) -> None:
+    """Rules a train step can honour: no tie within stage groups (its params under
+    rules are replicated over the rules' axes, so every stage holds the same copy)."""
+    for prefix, rule in getattr(getattr(mode, "rules", None), "rules", ()):
+        if getattr(rule, "groups", None) is not None:
+            raise ValueError(
+                GROUPED_TIE.format(fn=fn, prefix=prefix, axis=rule.axis, groups=rule.groups)
+            )
+
+
 def check_param_shardings(params: PyTree, cfg: Any, fn: str) -> None:
     """What a step cannot honour about its params' shardings is an error, never a
     silent replication: axes the mesh lacks, specs that do not divide, a split over

@@ -20,6 +20,7 @@ from ..core.validate import check_loss
 from ..fsdp.gather import cast_floats
 from ..optim.logged import TreeNorms, norms_on, rate_of, with_rate
 from ..optim.loss_scale import active_scale
+from ..sync.finalize import summed_axes
 from ..sync.layer_tap import LayerStack
 from ..sync.views import is_view, trace_views
 from .models import collections
@@ -206,8 +207,11 @@ def settle(cfg: Any, plan: Plan, rest: LossAux, state: TrainState, finite: jax.A
 
 
 def mean_loss(cfg: Any, loss: jax.Array, state: TrainState) -> jax.Array:
-    """The loss averaged over the data axes, and over any other axis it varies
-    over (a sequence-parallel loss computed piecewise over ``"tensor"``)."""
+    """The loss averaged over the data axes; over another axis it varies over, summed
+    where the mode's rules sum the gradients over it (``Tied``, ``SequenceParallel``:
+    the objective trained is then the sum of the pieces, each rank's share of the
+    whole, and the step returns it, not 1/size of it), else averaged (a
+    sequence-parallel loss computed piecewise, ``SequenceParallel(average=True)``)."""
     scale = scale_of(cfg, state)
     if scale is not None:
         loss = loss / scale.astype(loss.dtype)
@@ -218,7 +222,10 @@ def mean_loss(cfg: Any, loss: jax.Array, state: TrainState) -> jax.Array:
         # no number: pmax would pick -inf at some sizes and NaN at others).
         return jnp.where(bad > 0, jnp.asarray(jnp.nan, loss.dtype), loss)
     extra = tuple(a for a in sorted(varying_axes(loss)) if a not in cfg.axis_name)
-    loss = jax.lax.pmean(loss, cfg.axis_name + extra)
+    summed = tuple(a for a in extra if a in summed_axes(getattr(cfg.mode, "rules", None)))
+    loss = jax.lax.pmean(loss, cfg.axis_name + tuple(a for a in extra if a not in summed))
+    if summed:
+        loss = jax.lax.psum(loss, summed)
     return jnp.where(jnp.isnan(loss), jnp.asarray(jnp.nan, loss.dtype), loss)  # one NaN
 
 

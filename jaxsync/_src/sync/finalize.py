@@ -68,6 +68,18 @@ class ExpertParallel:
 Rule = Tied | SequenceParallel | ExpertParallel
 
 
+def summed_axes(rules: Any) -> frozenset[str]:
+    """The axes every rule of ``rules`` (a :class:`SyncRules` or None) that names them
+    sums the gradients over (``Tied``, ``SequenceParallel()``): a loss computed in
+    pieces over such an axis is the sum of its pieces."""
+    kinds: dict[str, set[bool]] = {}
+    for _, rule in getattr(rules, "rules", ()):
+        if isinstance(rule, Tied | SequenceParallel):
+            summing = isinstance(rule, Tied) or not rule.average
+            kinds.setdefault(rule.axis, set()).add(summing)
+    return frozenset(a for a, k in kinds.items() if k == {True})
+
+
 class ParamSync(NamedTuple):
     """How one param's gradient is reduced (static; part of its buffer key)."""
 
