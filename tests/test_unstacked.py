@@ -39,6 +39,15 @@ def test_an_unnamed_scanned_stack_is_named(mesh8, mode):
     assert named == []
 
 
+def test_a_deterministic_step_is_quiet(mesh8):
+    """Deterministic mode refuses `stacked=`: the warning advised what it refuses
+    (found by probing)."""
+    params = scanned_params(jax.random.PRNGKey(0), layers=3)
+    xs, ys = scanned_batches(jax.random.PRNGKey(1), 1, 16)
+    det = jaxsync.ZeRO(deterministic=jaxsync.Deterministic(units=8))
+    assert _warnings(mesh8, scanned_loss, params, (xs[0], ys[0]), mode=det) == []
+
+
 def test_a_model_without_a_scan_is_quiet(mesh8):
     xs = jnp.ones((16, 12)), jnp.ones((16, 5))
     assert _warnings(mesh8, mlp_loss, mlp_params(jax.random.PRNGKey(0)), xs, mode="zero") == []

@@ -75,7 +75,9 @@ MODE_CHANGED = (
 PARTS_MISSING = (
     "checkpoint step {step} in {dir} does not hold the whole state this step needs "
     "(saved vs now):\n{problems}\nNothing was re-initialised. Restore with the model, mode "
-    "and options the run was saved with (the data-parallel size may differ)."
+    "and options the run was saved with (the data-parallel size may differ, but a ZeRO "
+    "state's names hold its data axes' names: pass the `axis_name` it was saved with, "
+    "e.g. ('replica', 'data') again, over a mesh of any size)."
 )
 
 

@@ -23,6 +23,7 @@ from ..core.jaxpr_compat import scan_num_carry, scan_num_consts
 from ..core.names import in_group, param_name
 from ..fsdp.grad import split_microbatches
 from ..sync.views import SCAN_HELPERS
+from .modes import deterministic_of
 from .parts import Plan, loss_of
 
 UNSTACKED = (
@@ -42,7 +43,7 @@ class UnstackedScanWarning(UserWarning):
 def warn_unstacked(cfg: Any, plan: Plan, state: Any, batch: Any) -> None:
     """Warn (at trace time) if the loss scans over params that ``cfg.stacked`` does not
     name; reads one piece of the batch (a microbatch) through the loss once more."""
-    if cfg.stacked:
+    if cfg.stacked or deterministic_of(cfg.mode) is not None:  # that mode refuses `stacked`
         return
     loss = loss_of(cfg, plan, state, batch)
     piece = batch
