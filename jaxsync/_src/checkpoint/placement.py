@@ -18,6 +18,8 @@ import jax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from ..core.specs import spec_axes
+
 
 def abstract_on(tree: Any, mesh: Mesh | None, what: str) -> Any:
     """``ShapeDtypeStruct``s of ``tree``'s leaves (arrays or ``ShapeDtypeStruct``s),
@@ -38,9 +40,7 @@ def _onto(s: Any, mesh: Mesh, name: str) -> NamedSharding:
         return NamedSharding(mesh, P())
     if s.mesh == mesh:
         return s
-    axes = [a for part in s.spec if part is not None
-            for a in (part if isinstance(part, tuple) else (part,))]  # fmt: skip
-    missing = [a for a in axes if a not in mesh.axis_names]
+    missing = [a for a in spec_axes(s.spec) if a not in mesh.axis_names]
     if missing:
         raise ValueError(
             f"restore: {name} is sharded {s.spec} over mesh axes {missing} that the mesh "

@@ -222,7 +222,8 @@ def mean_loss(cfg: Any, loss: jax.Array, state: TrainState) -> jax.Array:
         # no number: pmax would pick -inf at some sizes and NaN at others).
         return jnp.where(bad > 0, jnp.asarray(jnp.nan, loss.dtype), loss)
     extra = tuple(a for a in sorted(varying_axes(loss)) if a not in cfg.axis_name)
-    summed = tuple(a for a in extra if a in summed_axes(getattr(cfg.mode, "rules", None)))
+    sums = summed_axes(getattr(cfg.mode, "rules", None))
+    summed = tuple(a for a in extra if a in sums)
     loss = jax.lax.pmean(loss, cfg.axis_name + tuple(a for a in extra if a not in summed))
     if summed:
         loss = jax.lax.psum(loss, summed)

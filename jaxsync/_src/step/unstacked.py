@@ -21,6 +21,7 @@ from jax.extend import core as jcore
 
 from ..core.jaxpr_compat import scan_num_carry, scan_num_consts
 from ..core.names import in_group, param_name
+from ..core.sink import RETYPES
 from ..fsdp.grad import split_microbatches
 from ..sync.views import SCAN_HELPERS
 from .modes import deterministic_of
@@ -108,9 +109,6 @@ _CALLS = frozenset(
         "custom_vjp_call_jaxpr",
     }
 )
-#: Unary equations whose result is the operand's values (a stack cast to the compute
-#: dtype before the scan is still the stack).
-_SAME = frozenset({"convert_element_type", "copy", "copy_p", "pvary"})
 
 
 def scanned_inputs(closed: Any) -> dict[int, int]:
@@ -131,7 +129,8 @@ def _walk(jaxpr: Any, origin: dict[Any, int], found: dict[int, int]) -> None:
             for v in e.invars[scan_num_consts(e) + scan_num_carry(e) :]:
                 if _known(v, origin):
                     found[origin[v]] = length
-        elif name in _SAME and len(e.invars) == 1 and _known(e.invars[0], origin):
+        elif name in RETYPES and len(e.invars) == 1 and _known(e.invars[0], origin):
+            # a stack cast to the compute dtype before the scan is still the stack
             origin[e.outvars[0]] = origin[e.invars[0]]
         elif name in _CALLS:
             inner = _callee(e)

@@ -75,9 +75,13 @@ def summed_axes(rules: Any) -> frozenset[str]:
     kinds: dict[str, set[bool]] = {}
     for _, rule in getattr(rules, "rules", ()):
         if isinstance(rule, Tied | SequenceParallel):
-            summing = isinstance(rule, Tied) or not rule.average
-            kinds.setdefault(rule.axis, set()).add(summing)
+            kinds.setdefault(rule.axis, set()).add(_sums(rule))
     return frozenset(a for a, k in kinds.items() if k == {True})
+
+
+def _sums(rule: Tied | SequenceParallel) -> bool:
+    """Whether ``rule`` sums the gradient over its axis (else it averages it)."""
+    return isinstance(rule, Tied) or not rule.average
 
 
 class ParamSync(NamedTuple):
@@ -205,12 +209,10 @@ def _resolve(
         for rule in m.values():
             if isinstance(rule, ExpertParallel):
                 dp = tuple(a for a in dp if a != rule.axis)
-            elif isinstance(rule, Tied):
-                sums.append((rule.axis, rule.groups))
-            elif rule.average:
-                means.append(rule.axis)
+            elif _sums(rule):
+                sums.append((rule.axis, getattr(rule, "groups", None)))
             else:
-                sums.append((rule.axis, None))
+                means.append(rule.axis)
         out.append(ParamSync(dp, tuple(sorted(sums)), tuple(sorted(means))))
     return tuple(out)
 
