@@ -148,6 +148,46 @@ def test_a_template_sharded_over_an_axis_the_mesh_lacks_is_named(tmp_path):
         ck.restore(params_like=like, opt_state_like={}, mesh=mesh_of(4))
 
 
+def test_a_distributed_state_restores_under_other_data_axes_names(tmp_path, setup):
+    """Saved by an optimizer over ("replica", "data"), a state restores into one over
+    "data" alone (any size): its buffers are found by their params, not their names,
+    which hold the axes' (before: OPTIMIZER_CHANGED on `axis_name`, then the buffers
+    missing)."""
+    require_devices(8)
+    params, tx, _ = setup
+    two_d = jax.make_mesh((2, 4), ("replica", "data"))
+    tx2 = jaxsync.distributed_optimizer(
+        {"decay": optax.adamw(5e-3, weight_decay=0.1), "no_decay": optax.adam(5e-3)},
+        axis_name=("replica", "data"),
+        labels=lambda p: jax.tree.map(lambda x: "decay" if x.ndim > 1 else "no_decay", p),
+        bucket_size=300,
+    )
+    # a state of distinct values everywhere, made from the portable form
+    form = tx2.to_portable(tx2.sharded_init(params, two_d), params, two_d)
+    keys = iter(jax.random.split(jax.random.PRNGKey(3), len(jax.tree.leaves(form))))
+    want = jax.tree.map(
+        lambda x: jax.random.normal(next(keys), x.shape, x.dtype)
+        if jnp.issubdtype(x.dtype, jnp.floating) else x,
+        form,
+    )  # fmt: skip
+    ck = jaxsync.Checkpointer(tmp_path / "ck", async_save=False)
+    ck.save(1, params=params, opt_state=tx2.from_portable(want, params, two_d), tx=tx2, mesh=two_d)
+
+    def by_role(inner):  # buffer name without its data axes' part
+        return {".".join(k.split(".")[:1] + k.split(".")[2:]): v for k, v in inner.items()}
+
+    for n in (8, 4):
+        r = ck.restore(params_like=params, tx=tx, mesh=mesh_of(n))
+        got = tx.to_portable(r.opt_state, r.params, mesh_of(n))
+        assert set(got["inner_state"]) != set(want["inner_state"])  # named by other axes
+        for a, b in zip(
+            jax.tree.leaves((want["master"], by_role(want["inner_state"]))),
+            jax.tree.leaves((got["master"], by_role(got["inner_state"]))),
+            strict=True,
+        ):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_mismatched_checkpoint_lists_every_difference(tmp_path, setup):
     params, tx, batches = setup
     m = mesh_of(4)

@@ -160,3 +160,36 @@ def test_restore_into_an_abstract_state(tmp_path, mode):
         np.testing.assert_array_equal(a, b)
     new, _ = step2(new, BATCH)
     assert int(new.step) == 2
+
+
+def make_zero(shape, axes, n):
+    require_devices(8)
+    mesh = jax.make_mesh(shape, axes, devices=jax.devices()[:n])
+    step = jaxsync.train_step(loss_fn, optax.adam(1e-2), mesh, mode="zero", axis_name=axes)
+    return step, step.init(WithStats(nnx.Rngs(0), norm=False))
+
+
+def test_zero_state_moves_between_named_data_axes(tmp_path):
+    # Before: a ZeRO state saved with axis_name=("replica", "data") named its buffers
+    # "float32.replica+data.all", and a 1-D ("data",) step found none of them (and back).
+    two_d, state = make_zero((2, 4), ("replica", "data"), 8)
+    one_d8, state8 = make_zero((8,), ("data",), 8)
+    one_d4, _ = make_zero((4,), ("data",), 4)
+    for _ in range(2):
+        state, _ = two_d(state, BATCH)
+        state8, _ = one_d8(state8, BATCH)
+    with jaxsync.Checkpointer(tmp_path / "2d") as ckpt:
+        ckpt.save_state(two_d, state)
+    with jaxsync.Checkpointer(tmp_path / "1d") as ckpt:
+        ckpt.save_state(one_d8, state8)
+    state, _ = two_d(state, BATCH)  # the uninterrupted runs
+    state8, _ = one_d8(state8, BATCH)
+    runs = [(two_d, state, "2d", one_d8, 1e-6), (two_d, state, "2d", one_d4, 1e-5)]
+    runs += [(one_d8, state8, "1d", two_d, 1e-6)]
+    for saved_by, done, path, step, tol in runs:
+        with jaxsync.Checkpointer(tmp_path / path) as ckpt:
+            new = ckpt.restore_state(step, step.init(WithStats(nnx.Rngs(0), norm=False))).state
+        new, _ = step(new, BATCH)
+        assert int(new.step) == 3
+        for a, b in zip(leaves(saved_by.params(done)), leaves(step.params(new)), strict=True):
+            np.testing.assert_allclose(a, b, rtol=tol, atol=tol / 10)

@@ -53,6 +53,7 @@ from .records import (
     Restored,
     _names,
     compare_trees,
+    inner_as_saved,
 )
 from .train_state import restore_state, save_state
 
@@ -350,6 +351,8 @@ class Checkpointer(CheckpointIO):
             "opt_state": opt_abs,
             "extra": abstract_on(extra_like or {}, mesh, "extra_like"),
         }
+        if distributed:  # saved under other data axes' names, its buffers are named so
+            target = inner_as_saved(target, saved)
         # The optimizer first: a changed setting explains missing arrays better.
         changed = []
         if saved_opt is not None:

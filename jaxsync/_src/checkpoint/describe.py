@@ -108,7 +108,9 @@ def optimizer_differences(saved: Mapping[str, Any], now: Mapping[str, Any]) -> l
     problems = []
     for key in sorted(set(saved) | set(now)):
         a, b = saved.get(key), now.get(key)
-        if key == "kind" or a == b:
+        # The data axes' names are recorded for the reader; a state restores under
+        # others (layout.buffer_names.saved_entry matches its buffers by their params).
+        if key in ("kind", "axis_name") or a == b:
             continue
         if key == "labels" and isinstance(a, dict) and isinstance(b, dict):
             changed = [

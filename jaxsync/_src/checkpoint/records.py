@@ -7,11 +7,13 @@ neutral dotted form, the JSON check of ``meta``, and the error texts.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import jax
 
 from ..core.names import param_name
+from ..layout.buffer_names import keyed_as_saved
 
 PyTree = Any
 
@@ -183,3 +185,19 @@ def _first_line(e: BaseException, limit: int = 400) -> str:
     text = " ".join(str(e).split()) or type(e).__name__
     text = text if len(text) <= limit else text[:limit] + "..."
     return f"{type(e).__name__}: {text}"
+
+
+def inner_as_saved(like: dict[str, Any], saved: PyTree) -> dict[str, Any]:
+    """``like`` (a checkpoint's target; ``opt_state`` a distributed optimizer's
+    portable state) with its buffers under the names the checkpoint holds them by. A
+    run saved with other data axes' names (``axis_name=("replica", "data")``, restored
+    with ``"data"``) wrote the same params' state under other buffer names."""
+    opt = saved.get("opt_state") if isinstance(saved, Mapping) else None
+    inner = opt.get("inner_state") if isinstance(opt, Mapping) else None
+    mine = like["opt_state"]
+    if inner is None or not isinstance(mine, dict) or "inner_state" not in mine:
+        return like
+    return {
+        **like,
+        "opt_state": {**mine, "inner_state": keyed_as_saved(mine["inner_state"], inner)},
+    }

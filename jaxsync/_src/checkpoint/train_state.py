@@ -45,7 +45,7 @@ from ..step.train_state import TrainState
 from ..step.two_d import portable as two_d_portable
 from .checksum import tree_checksums
 from .describe import describe_optimizer, optimizer_differences
-from .records import CheckpointMismatchError, compare_trees, saved_names
+from .records import CheckpointMismatchError, compare_trees, inner_as_saved, saved_names
 
 PyTree = Any
 
@@ -75,9 +75,8 @@ MODE_CHANGED = (
 PARTS_MISSING = (
     "checkpoint step {step} in {dir} does not hold the whole state this step needs "
     "(saved vs now):\n{problems}\nNothing was re-initialised. Restore with the model, mode "
-    "and options the run was saved with (the data-parallel size may differ, but a ZeRO "
-    "state's names hold its data axes' names: pass the `axis_name` it was saved with, "
-    "e.g. ('replica', 'data') again, over a mesh of any size)."
+    "and options the run was saved with (the data-parallel size, and the names and "
+    "grouping of the data axes, e.g. ('replica', 'data') -> 'data', may differ)."
 )
 
 
@@ -256,6 +255,8 @@ def restore_state(
             )
         )
     like = portable_like(ts, state_like, fn)
+    if ts.mode.name == "zero":
+        like = inner_as_saved(like, saved)
     extra = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
         extra_like or {},

@@ -26,33 +26,13 @@ from jax.sharding import PartitionSpec as P
 
 from ..core.cpu_order import put, settle
 from ..core.names import param_name
+from ..layout.buffer_names import buffer_name, saved_entry
 from ..layout.layout import Layout
 from . import layerwise
 from .loss_scale import LossScaleState
 from .state import DistributedOptimizerState, metrics_from
 
 PyTree = Any
-
-
-def buffer_name(layout: Layout, buffer: int) -> str:
-    """Names a buffer by what decides it (dtype, axes, label, rules), never by its size."""
-    key = layout.buffers[buffer].key
-    parts = [key.dtype, "+".join(key.axes) or "none", key.label or "all"]
-    if key.sum_axes:
-        sums = [
-            a if g is None else a + "_g" + "_".join("-".join(map(str, m)) for m in g)
-            for a, g in key.sum_axes
-        ]
-        parts.append("sum-" + "+".join(sums))
-    if key.mean_axes:
-        parts.append("mean-" + "+".join(key.mean_axes))
-    if key.varying:
-        parts.append("varying-" + "+".join(key.varying))
-    if key.stack:
-        parts.append("stack-" + key.stack)
-    if key.owned is not None:
-        parts.append("owned")
-    return ".".join(parts)
 
 
 def slot_names(layout: Layout, params: PyTree) -> list[str]:
@@ -307,11 +287,14 @@ def from_portable(
             "it was saved for a different model."
         )
 
+    every = frozenset(names)
+
     def fn(portable: dict[str, Any]) -> DistributedOptimizerState:
         master, inner = [], []
         for bi in range(len(layout.buffers)):
             master.append(params_to_shards(layout, bi, portable["master"], names, pspecs, sizes))
-            saved = portable["inner_state"][buffer_name(layout, bi)]
+            mine = frozenset(names[si] for si in layout.buffers[bi].slots)
+            saved = saved_entry(portable["inner_state"], buffer_name(layout, bi), mine, every)
             owned = owned_of(plan, layout, bi)
             if owned is not None:
                 inner.append(layerwise.from_portable(layout, bi, owned, saved, names))

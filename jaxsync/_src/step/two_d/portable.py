@@ -35,8 +35,9 @@ from jax.sharding import PartitionSpec as P
 from ...core.names import group_of, param_name
 from ...fsdp.optimizer import LabelsState
 from ...fsdp.unit import assign_units
+from ...layout.buffer_names import buffer_name, saved_entry
 from ...optim.optimizer import distributed_optimizer
-from ...optim.portable import buffer_name, convert, slot_names
+from ...optim.portable import convert, slot_names
 from ...optim.state import StepMetrics
 from ..train_state import GuardState
 from .dims import DimPlan, pad, unpad
@@ -371,7 +372,11 @@ def from_portable(
             master = layout.map(lambda p: pad(opt["master"][p.name], p))
             inner = like_opt.inner
             for lab in sorted({lab for _, lab, _ in groups}, key=str):
-                saved = [(opt["inner_state"][b], n) for b, x, n in groups if x == lab]
+                saved = [
+                    (saved_entry(opt["inner_state"], b, n, every), n)
+                    for b, x, n in groups
+                    if x == lab
+                ]
                 inner = _with_sub(inner, lab, group_from_portable(_sub(inner, lab), saved, layout))
             leaves = jax.tree.leaves((opt["loss_scale"], opt["metrics"]))
             return params, SpecZeroState(master, inner), jax.tree.unflatten(guard_def, leaves)
