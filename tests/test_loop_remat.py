@@ -1,4 +1,4 @@
-"""A layer rematerialised inside a scan loses its CSE barrier (``core/loop_remat.py``).
+"""A layer rematerialised inside a scan loses its CSE barrier (``program/loop_remat.py``).
 
 ``jax.checkpoint``'s default ``prevent_cse=True`` puts an optimization barrier in
 front of the forward it recomputes in the backward; inside a scan it serves nothing
@@ -19,8 +19,8 @@ import numpy as np
 from helpers import lowered_llama_step
 
 import jaxsync
-from jaxsync._src.core import grad_program, loop_remat
 from jaxsync._src.core.jaxpr_compat import REMAT, rewrite_programs
+from jaxsync._src.program import grad_program, loop_remat
 
 D, L = 8, 3
 

@@ -1,4 +1,4 @@
-"""The backward loop's start (``core/ready.py``): gradients ready before it are computed
+"""The backward loop's start (``program/ready.py``): gradients ready before it are computed
 before it, and what it recomputes waits for the cotangent it starts from.
 
 The LM head's weight gradient needs only the logits' cotangent and the last hidden
@@ -22,7 +22,7 @@ import pytest
 from helpers import lowered_llama_step
 
 import jaxsync
-from jaxsync._src.core import grad_program, ready
+from jaxsync._src.program import grad_program, ready
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
 import llama  # noqa: E402

@@ -1,4 +1,4 @@
-"""Loop-invariant broadcasts sunk back into the scans that read them (``core/sink.py``).
+"""Loop-invariant broadcasts sunk back into the scans that read them (``program/sink.py``).
 
 Differentiating a ``lax.scan`` makes JAX evaluate what the forward body computes from
 constants alone once, outside the loop, and feed it in: a causal mask's broadcasts to
@@ -19,8 +19,8 @@ import pytest
 from helpers import lower_on_h100s, train_beside_optax
 
 import jaxsync
-from jaxsync._src.core import grad_program, sink
 from jaxsync._src.core.jaxpr_compat import program, scan_num_consts
+from jaxsync._src.program import grad_program, sink
 
 B, H, S, D, L = 2, 4, 16, 8, 3
 SCORES = f"[{B},{H},{S},{S}]"

@@ -32,8 +32,8 @@ import jax
 import jax.numpy as jnp
 
 from ..core.axes import axes_size, bound_axes, to_varying
-from ..core.grad_program import value_and_grad as program_value_and_grad
 from ..core.validate import check_local_loss, check_option
+from ..program.grad_program import value_and_grad as program_value_and_grad
 from .fixed_point import MAX_ADDENDS, unit_sum
 
 PyTree = Any

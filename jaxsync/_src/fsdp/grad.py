@@ -15,9 +15,9 @@ import jax
 import jax.numpy as jnp
 
 from ..core.axes import axes_size, bound_axes, to_varying
-from ..core.grad_program import run_jaxpr
-from ..core.grad_program import value_and_grad as program_value_and_grad
 from ..core.validate import check_loss
+from ..program.grad_program import run_jaxpr
+from ..program.grad_program import value_and_grad as program_value_and_grad
 from ..sync.remat_keep import keep_fsdp_gathered
 from ..sync.tap_rules import check_no_gather_under_cond
 from ..sync.views import NEVER_TAPPED, call_with_views

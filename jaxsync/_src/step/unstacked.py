@@ -21,8 +21,8 @@ from jax.extend import core as jcore
 
 from ..core.jaxpr_compat import scan_num_carry, scan_num_consts
 from ..core.names import in_group, param_name
-from ..core.sink import RETYPES
 from ..fsdp.grad import split_microbatches
+from ..program.sink import RETYPES
 from ..sync.views import SCAN_HELPERS
 from .modes import deterministic_of
 from .parts import Plan, loss_of

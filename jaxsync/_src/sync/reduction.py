@@ -16,7 +16,6 @@ import jax
 import jax.numpy as jnp
 
 from ..core.axes import AxisName, bound_axes
-from ..core.grad_program import value_and_grad as program_value_and_grad
 from ..core.validate import check_local_loss
 from ..deterministic.exact import UNIT_GRADS_WITHOUT_MODE
 from ..deterministic.strategy import ExactSums
@@ -24,6 +23,7 @@ from ..deterministic.units import Deterministic, UnitGrads, check_deterministic
 from ..layout.layout import Layout
 from ..layout.placement import build_layout
 from ..layout.records import BufferKey
+from ..program.grad_program import value_and_grad as program_value_and_grad
 from .checks import check_local_grads
 from .collectives import bucket_all_reduce
 from .finalize import SyncRules, local_view, sync_keys

@@ -10,7 +10,7 @@ each layer once and holds the gathered params from the forward to the backward: 
 memory of the params whole, as Megatron-Core's param buffer. It was the default
 while the backward's gathers ran exposed (1.1B on 8 x H100 152.4 -> 148.7 ms on XLA's
 timeline, 7.2B on 64 x H100 500.8 -> 425.6 ms); since the gradient program lets XLA
-issue them a layer ahead (:mod:`jaxsync._src.core.loop_remat`), keeping saves no
+issue them a layer ahead (:mod:`jaxsync._src.program.loop_remat`), keeping saves no
 time. FSDP's ``reshard_after_forward=False`` keeps its gathered units the same way
 (:func:`keep_fsdp_gathered`).
 """

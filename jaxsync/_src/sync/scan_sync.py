@@ -25,10 +25,10 @@ import jax
 import jax.numpy as jnp
 
 from ..core.axes import axes_size, bound_axes, to_varying
-from ..core.grad_program import run_jaxpr
-from ..core.grad_program import value_and_grad as program_value_and_grad
 from ..core.names import group_trees, in_group, param_name
 from ..layout.layout import Layout
+from ..program.grad_program import run_jaxpr
+from ..program.grad_program import value_and_grad as program_value_and_grad
 from .collectives import buffer_axes, mean_factor, reduce_bucket, reduce_scatter_packed, scale_by
 from .data_parallel import DataParallel
 from .finalize import ParamSync, SyncRules, local_view

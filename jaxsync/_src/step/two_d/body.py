@@ -23,11 +23,11 @@ import jax.numpy as jnp
 
 from ...core.axes import to_varying, varying_axes
 from ...core.cpu_order import on_cpu
-from ...core.grad_program import run_jaxpr
-from ...core.grad_program import value_and_grad as program_value_and_grad
 from ...core.names import group_of
 from ...fsdp.grad import split_microbatches
 from ...optim.logged import TreeNorms
+from ...program.grad_program import run_jaxpr
+from ...program.grad_program import value_and_grad as program_value_and_grad
 from ...sync.reduction import BUCKETED
 from ...sync.tap_rules import check_taps
 from ..parts import finish, loss_of, one_piece, scale_of, unscale

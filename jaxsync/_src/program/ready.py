@@ -32,8 +32,8 @@ from typing import Any
 
 from jax.extend import core as jcore
 
-from .axes import aval_varying_axes
-from .jaxpr_compat import barrier_eqn, scan_num_carry, scan_num_consts
+from ..core.axes import aval_varying_axes
+from ..core.jaxpr_compat import barrier_eqn, scan_num_carry, scan_num_consts
 from .sink import RETYPES
 
 _SCAN = jcore.primitives.scan_p

@@ -21,7 +21,7 @@ from typing import Any
 
 from jax.extend import core as jcore
 
-from .jaxpr_compat import REMAT, rewrite_programs
+from ..core.jaxpr_compat import REMAT, rewrite_programs
 
 _SCAN = jcore.primitives.scan_p
 

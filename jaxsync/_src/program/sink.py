@@ -44,7 +44,7 @@ from typing import Any
 
 from jax.extend import core as jcore
 
-from .jaxpr_compat import (
+from ..core.jaxpr_compat import (
     barrier_eqn,
     closes_over_values,
     program,
