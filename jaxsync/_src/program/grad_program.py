@@ -1,12 +1,13 @@
 """How the library takes a gradient: traced once, rewritten, evaluated.
 
-``jax.value_and_grad`` leaves four things to XLA that cost memory or time in a
+``jax.value_and_grad`` leaves five things to XLA that cost memory or time in a
 scanned model, and XLA cannot undo them: the loop-invariant broadcasts JAX hoists
 out of a differentiated scan (:mod:`sink`), where the scheduler places the gradients
 that are ready before the backward loop and the first layer's recompute beside the
-loss's backward (:mod:`ready`), and the CSE barrier of a layer rematerialised inside
+loss's backward (:mod:`ready`), the CSE barrier of a layer rematerialised inside
 the loop, which keeps the backward from gathering the next layer early
-(:mod:`loop_remat`). :func:`value_and_grad` traces
+(:mod:`loop_remat`), and the logits-sized scatter a label gather transposes to
+(:mod:`row_scatter`). :func:`value_and_grad` traces
 ``jax.value_and_grad(fun)`` to its program, applies the rewrites, and evaluates the
 rewritten program: the same values, exactly.
 """
@@ -21,6 +22,7 @@ import jax.numpy as jnp
 
 from .loop_remat import drop_loop_barriers
 from .ready import ready_first, recompute_late
+from .row_scatter import select_row_scatters
 from .sink import sink_broadcasts
 
 
@@ -31,13 +33,14 @@ def value_and_grad(fun: Callable[..., Any], **kwargs: Any) -> Callable[..., Any]
 
 def rewritten(fun: Callable[..., Any]) -> Callable[..., Any]:
     """``fun`` traced once, its program rewritten (:func:`loop_remat.drop_loop_barriers`,
-    :func:`sink.sink_broadcasts`, :func:`ready.ready_first`, then
-    :func:`ready.recompute_late`) and evaluated from
+    :func:`row_scatter.select_row_scatters`, :func:`sink.sink_broadcasts`,
+    :func:`ready.ready_first`, then :func:`ready.recompute_late`) and evaluated from
     that program."""
 
     def run(*args: Any, **kwargs: Any) -> Any:
         closed, shape = jax.make_jaxpr(lambda a, k: fun(*a, **k), return_shape=True)(args, kwargs)
-        closed = recompute_late(ready_first(sink_broadcasts(drop_loop_barriers(closed))))
+        closed = select_row_scatters(drop_loop_barriers(closed))
+        closed = recompute_late(ready_first(sink_broadcasts(closed)))
         return run_jaxpr(closed, shape, args, kwargs)
 
     return run
