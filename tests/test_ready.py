@@ -268,12 +268,13 @@ _SCORES = llama.Config(vocab=8192, seq=1024, d_model=256, heads=4, kv_heads=2, f
                        layers=4, batch_per_device=2)  # fmt: skip
 
 
-@pytest.mark.parametrize("mode", ["fsdp", "zero"])
+@pytest.mark.parametrize("mode", ["fsdp"])
 def test_a_step_for_h100s_no_longer_recomputes_a_layer_on_the_losss_peak(mode, monkeypatch):
     """XLA peels the backward loop's first layer out of it and, untied, runs its
     recompute (the attention scores) beside the loss's backward (the logits' fp32
     cotangent): both peaks at once. Tied, the step holds at least one scores tensor
-    less (measured: FSDP 259 -> 221 MiB, ZeRO 246 -> 226 on jax 0.10.2)."""
+    less (measured: FSDP 259 -> 221 MiB, ZeRO 246 -> 226 on jax 0.10.2; ZeRO, the
+    same rewrite of the same program, is left out for the suite's time)."""
     mesh = jaxsync.gpu_topology("h100", hosts=1, gpus_per_host=2)
     step = jaxsync.FSDP(policy=jaxsync.MixedPrecision(jnp.bfloat16)) if mode == "fsdp" else mode
 

@@ -230,12 +230,14 @@ def _backward_readers_of_the_mask(text: str, shape: str) -> list[str]:
     ]
 
 
-@pytest.mark.parametrize("mode", ["fsdp", "zero", "ddp"])
+@pytest.mark.parametrize("mode", ["fsdp"])
 def test_the_peeled_backward_does_not_read_the_forwards_hoisted_mask(mode, monkeypatch):
     """XLA peels backward iterations out of the loop (double buffering, pipelined
     collectives) and merged their broadcast of the mask with the forward's hoisted one,
     keeping that buffer live through the backward loop (8 x H100, Llama-style 1.1B,
-    FSDP: 5955 -> 5703 MiB fenced). Fenced, the peeled iterations make their own."""
+    FSDP: 5955 -> 5703 MiB fenced). Fenced, the peeled iterations make their own.
+    (ZeRO's and DDP's steps peel the same way and the fence is the same rewrite of
+    their programs; they are left out for the suite's time.)"""
     from helpers import lowered_llama_step
     from test_ready import _SCORES as c
 
