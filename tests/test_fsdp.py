@@ -365,3 +365,64 @@ def test_misuse_outside_the_step_is_named(mesh8):
     back = fs.unshard(shards)  # the right input still round-trips
     for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(params), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def _two_param_layers(params, batch):
+    x, y = batch
+
+    @jax.checkpoint
+    def body(h, layer):
+        layer = jaxsync.tap(layer)
+        return jnp.tanh(h @ layer["w1"]) @ layer["w2"] + h, None
+
+    h, _ = jax.lax.scan(body, x, params["blocks"])
+    return jnp.mean((h @ params["head"] - y) ** 2)
+
+
+def test_a_layers_gradient_is_reduced_in_halves_within_one_host(mesh8, monkeypatch):
+    """In one host (8 ranks here) a stacked layer's gradient is packed and reduced a
+    half at a time, the second half packed after the first is reduced: one more
+    reduce-scatter per layer, behind an optimization barrier, and the same training
+    as optax on one device. A group beyond one host, or one with replica axes,
+    reduces its pack whole."""
+    from jaxsync._src.fsdp import gather
+
+    k = jax.random.split(jax.random.key(5), 5)
+    params = {"blocks": {"w1": 0.3 * jax.random.normal(k[0], (3, 8, 16)),
+                         "w2": 0.3 * jax.random.normal(k[1], (3, 16, 8))},
+              "head": 0.3 * jax.random.normal(k[2], (8, 4))}  # fmt: skip
+    data = [(jax.random.normal(jax.random.fold_in(k[3], i), (16, 8)),
+             jax.random.normal(jax.random.fold_in(k[4], i), (16, 4)))
+            for i in range(2)]  # fmt: skip
+    tx = optax.sgd(0.3)
+
+    def scatters(step, state):
+        text = step.lower(state, data[0]).as_text()
+        return text.count("reduce_scatter"), text.count("optimization_barrier")
+
+    step = jaxsync.train_step(_two_param_layers, tx, mesh8, "fsdp", stacked="blocks")
+    state = step.init(params)
+    halved = scatters(step, state)
+    with monkeypatch.context() as m:
+        m.setattr(gather, "halves", lambda widths, axes, rep: [list(range(len(widths)))])
+        whole_step = jaxsync.train_step(_two_param_layers, tx, mesh8, "fsdp", stacked="blocks")
+        whole = scatters(whole_step, whole_step.init(params))
+    assert halved[0] == whole[0] + 1 and halved[1] > whole[1], (halved, whole)
+    ref, opt = params, tx.init(params)
+    for batch in data:
+        state, _ = step(state, batch)
+        g = jax.grad(_two_param_layers)(ref, batch)
+        upd, opt = tx.update(g, opt, ref)
+        ref = optax.apply_updates(ref, upd)
+    for a, b in zip(jax.tree.leaves(step.params(state)), jax.tree.leaves(ref), strict=True):
+        np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6)
+    # the split itself: by width, at least one piece a side; one group beyond a host
+    shard_map = partial(jax.shard_map, mesh=mesh8, in_specs=P(), out_specs=P())
+    got = []
+    shard_map(lambda x: got.append(gather.halves((3, 5, 2), ("data",), ())) or x)(jnp.zeros(()))
+    shard_map(lambda x: got.append(gather.halves((9, 1), ("data",), ())) or x)(jnp.zeros(()))
+    shard_map(lambda x: got.append(gather.halves((3, 5), ("data",), ("r",))) or x)(jnp.zeros(()))
+    assert got == [[[0, 1], [2]], [[0], [1]], [[0, 1]]]
+    monkeypatch.setattr(gather, "WIRE_SUM_MAX_GROUP", 4)  # 8 ranks: beyond "one host"
+    shard_map(lambda x: got.append(gather.halves((3, 5), ("data",), ())) or x)(jnp.zeros(()))
+    assert got[-1] == [[0, 1]]
