@@ -56,8 +56,9 @@ def _rewrite(jaxpr: Any) -> tuple[Any, bool]:
             eqns.append(e)
             changed |= hit
             continue
-        eqns += _inlined(_as_select(rows, e.params["mode"]), e)
-        changed = True
+        select = _inlined(_as_select(rows, e.params["mode"]), e)
+        eqns += select if select is not None else [e]
+        changed |= hit or select is not None
     return (jaxpr.replace(eqns=eqns) if changed else jaxpr), changed
 
 
@@ -126,10 +127,13 @@ def _as_select(rows: Rows, mode: Any) -> Callable[..., jax.Array]:
     return scatter
 
 
-def _inlined(fn: Callable[..., jax.Array], e: Any) -> list:
+def _inlined(fn: Callable[..., jax.Array], e: Any) -> list | None:
     """``fn`` traced on ``e``'s operands (their types: inside ``shard_map`` the
-    varying axes too) as equations that read ``e``'s inputs and write its output."""
+    varying axes too) as equations that read ``e``'s inputs and write its output;
+    None where the trace holds constants of its own (nowhere to put them)."""
     traced = jax.make_jaxpr(fn)(*(v.aval for v in e.invars))
+    if traced.consts:
+        return None
     sub = dict(zip(traced.jaxpr.invars, e.invars, strict=True))
     (out,) = traced.jaxpr.outvars
     sub[out] = e.outvars[0]
