@@ -192,23 +192,28 @@ def test_a_skipped_step(mesh8, mode):
 @pytest.mark.default_xla  # bitwise across programs of other shapes: XLA's own options
 @pytest.mark.parametrize("mode", ["ddp", "zero"])
 def test_deterministic_bitwise_across_dp_sizes(mode):
-    """Deterministic mode: the norms (ZeRO: summed exactly in fixed point over shards
-    whose boundaries move with the DP size) and the rate are the same bits at DP 8
-    and 4, and mean what optax's do."""
+    """Deterministic mode through the builder: the losses, the params and the norms
+    (ZeRO: summed exactly in fixed point over shards whose boundaries move with the
+    DP size) and the rate are the same bits at DP 8 and 2, with clipping active, and
+    mean what optax's do."""
     require_devices(8)
     params = mlp_params(jax.random.key(0))
     batches = mlp_batches(2)
     seen = []
-    for n in (8, 4):
+    for n in (8, 2):
         mesh = jax.make_mesh((n,), ("data",), devices=jax.devices()[:n])
         step = jaxsync.train_step(
             mlp_loss, optax.adamw(SCHEDULE), mesh, mode, clip_grad_norm=0.5,
             deterministic=jaxsync.Deterministic(units=8),
             metrics=jaxsync.TrainerMetrics(learning_rate=SCHEDULE),
         )  # fmt: skip
-        state, _ = run(step, params, batches)
+        state, losses = step.init(params), []
+        for batch in batches:
+            state, loss = step(state, batch)
+            losses.append(np.asarray(loss).tobytes())
         m = jax.device_get(state.metrics)
-        seen.append([np.asarray(x).tobytes() for x in jax.tree.leaves(m)])
+        assert float(m.grad_norm) > 0.5  # clipping was active
+        seen.append(losses + [np.asarray(x).tobytes() for x in jax.tree.leaves(m)])
         seen[-1] += [np.asarray(x).tobytes() for x in jax.tree.leaves(step.params(state))]
     assert seen[0] == seen[1]
     want = reference(optax.adamw(SCHEDULE), params, batches, mlp_loss, 0.5, SCHEDULE)
