@@ -22,7 +22,7 @@ import jax.numpy as jnp
 
 from ..core.axes import axes_size, to_varying
 from ..core.validate import check_bool, check_float_dtype
-from ..sync.collectives import WIRE_SUM_MAX_GROUP
+from ..sync.collectives import in_one_host
 
 PyTree = Any
 
@@ -158,11 +158,11 @@ def halves(widths: tuple[int, ...], axes, replicate) -> list[list[int]]:
     GPT 1.2B 5320 -> 5219, Llama-3.2-1B's shape 8544 -> 8264; XLA's timeline +1.3%,
     -0.2%, +1.8%). Across hosts the reductions set the backward loop's pace, and
     halves in sequence lengthen it (64 x H100, 7.2B: 93% -> 67% of the bound), so a
-    group beyond one host's NVLink (:data:`WIRE_SUM_MAX_GROUP` ranks), or one that
+    group beyond one host's NVLink (``sync.collectives.in_one_host``), or one that
     sums over replica axes too, reduces its pack whole.
     """
     every = list(range(len(widths)))
-    if len(widths) < 2 or replicate or not 1 < axes_size(axes) <= WIRE_SUM_MAX_GROUP:
+    if len(widths) < 2 or replicate or not in_one_host(axes):
         return [every]
     total, run = sum(widths), 0
     for i, w in enumerate(widths[:-1]):

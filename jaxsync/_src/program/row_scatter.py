@@ -31,9 +31,7 @@ import jax.numpy as jnp
 from jax.extend import core as jcore
 
 from ..core.jaxpr_compat import rewrite_programs
-from .sink import RETYPES
-
-_BROADCAST = jcore.primitives.broadcast_in_dim_p
+from .sink import broadcasts
 
 
 def select_row_scatters(closed: Any) -> Any:
@@ -45,7 +43,7 @@ def select_row_scatters(closed: Any) -> Any:
 
 
 def _rewrite(jaxpr: Any) -> tuple[Any, bool]:
-    made = {v: e for e in jaxpr.eqns for v in e.outvars}
+    made = broadcasts(jaxpr.eqns)
     eqns, changed = [], False
     for e in jaxpr.eqns:
         params, hit = rewrite_programs(e, _rewrite)
@@ -98,13 +96,9 @@ def rows_of(e: Any) -> Rows | None:
 
 
 def _zeros(v: Any, made: dict) -> bool:
-    """Whether ``v`` is a broadcast zero (through type-only changes: ``pvary``)."""
-    e = made.get(v)
-    while e is not None and e.primitive.name in RETYPES:
-        e = made.get(e.invars[0])
-    if e is None or e.primitive is not _BROADCAST:
-        return False
-    (src,) = e.invars
+    """Whether ``v`` is a broadcast zero (through type-only changes: ``pvary``), by
+    :func:`sink.broadcasts`' record of who made it."""
+    (src,) = made[v][0].invars if v in made else (None,)
     return isinstance(src, jcore.Literal) and not src.aval.shape and src.val == 0
 
 

@@ -79,7 +79,7 @@ def _sink(jaxpr: Any) -> tuple[Any, bool]:
         if isinstance(v, jcore.Var)
     }
     eqns, rename = _inline_producers(jaxpr.eqns, wanted)
-    made = _broadcasts(eqns)
+    made = broadcasts(eqns)
     masks = _hoisted_masks(eqns, made)
     out, changed = [], False  # an inlined jit alone is no change: the original is kept
     for e in eqns:
@@ -140,7 +140,7 @@ def _inline_producers(eqns: Sequence[Any], wanted: set) -> tuple[list, dict]:
     return out, rename
 
 
-def _broadcasts(eqns: Sequence[Any]) -> dict[Any, list]:
+def broadcasts(eqns: Sequence[Any]) -> dict[Any, list]:
     """Each value made by a size-inflating broadcast, or by conversions of one
     (:data:`RETYPES`), with the equations that made it."""
     made: dict[Any, list] = {}

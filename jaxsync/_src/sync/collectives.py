@@ -125,6 +125,14 @@ def reduce_bucket(
 WIRE_SUM_MAX_GROUP = 8
 
 
+def in_one_host(axes: tuple[str, ...]) -> bool:
+    """Whether a reduction over ``axes`` (more than one rank) stays in one host's
+    NVLink domain (at most :data:`WIRE_SUM_MAX_GROUP` ranks), where its collectives
+    are cheap beside the compute: FSDP's halves (``fsdp.gather.halves``) and the
+    all-to-all sum (:func:`wire_sum`) are made only there."""
+    return 1 < axes_size(axes) <= WIRE_SUM_MAX_GROUP
+
+
 def wire_sum(dtype: Any, param_dtype: Any, axes: tuple[str, ...]) -> bool:
     """Whether a reduce-scatter in ``dtype`` of a buffer of ``param_dtype`` params
     sends ``param_dtype`` on the wire and sums in ``dtype`` (see
@@ -134,7 +142,7 @@ def wire_sum(dtype: Any, param_dtype: Any, axes: tuple[str, ...]) -> bool:
         dtype == jnp.float32
         and param_dtype.itemsize < dtype.itemsize
         and jnp.issubdtype(param_dtype, jnp.floating)
-        and 1 < axes_size(axes) <= WIRE_SUM_MAX_GROUP
+        and in_one_host(axes)
         and len(axes) == 1
     )
 
