@@ -18,7 +18,6 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 from helpers import lowered_llama_step
 
 import jaxsync
@@ -150,30 +149,52 @@ def _fsdp_step(mesh):
     return lowered_llama_step(mesh, jaxsync.FSDP(policy=jaxsync.MixedPrecision(jnp.bfloat16)))
 
 
-def test_an_fsdp_heads_matmul_is_tied_not_its_reduced_gradient(mesh8, monkeypatch):
-    """FSDP's head gradient leaves the program reduce-scattered from its unit's pack:
-    the matmul that made it is tied (its result, not the reduction's)."""
-    cfg = llama.SIZES["quick"]
+def _fsdp_ties(monkeypatch, mesh):
+    """The FSDP step's program before and after ``ready_first``, and what its added
+    barrier holds."""
     seen, tie = [], grad_program.ready_first
 
     def spy(closed):
         seen.append((closed, tie(closed)))
         return seen[-1][1]
 
-    monkeypatch.setattr(grad_program, "ready_first", spy)
-    _fsdp_step(mesh8)
+    with monkeypatch.context() as m:
+        m.setattr(grad_program, "ready_first", spy)
+        _fsdp_step(mesh)
     closed, tied = seen[-1]
     before = {id(e) for e in closed.jaxpr.eqns}  # the mask's fence (sink.py) is there already
     added = [e for e in tied.jaxpr.eqns if id(e) not in before]
     (barrier,) = [e for e in added if e.primitive.name == "optimization_barrier"]
+    return closed, barrier.invars[:-1]
+
+
+def test_an_fsdp_heads_gradient_is_reduced_before_the_loop_in_one_host(mesh8, monkeypatch):
+    """FSDP's head gradient leaves the program reduce-scattered from its unit's pack.
+    In one host (8 ranks) the reduced gradient itself is tied, so its matmul, pack and
+    reduce-scatter all run before the backward loop and only the fp32 shard is held
+    across it; beyond one host (the reductions set the loop's pace there) the matmul's
+    result is tied and the reduction is left where XLA puts it."""
+    from jaxsync._src.core import axes
+
+    cfg = llama.SIZES["quick"]
+    closed, held = _fsdp_ties(monkeypatch, mesh8)
     made = {v: e for e in closed.jaxpr.eqns for v in e.outvars}
-    held = barrier.invars[:-1]
+    (shard,) = held
+    assert shard in closed.jaxpr.outvars  # a result of the program: the reduced shard
+    assert shard.aval.size == cfg.d_model * (cfg.vocab + 1) // 8  # the head and final norm
+    dots, reductions = ready._packed_behind(shard, made, set(closed.jaxpr.invars))
+    assert {tuple(sorted(v.aval.shape)) for v in dots} == {tuple(sorted((cfg.d_model, cfg.vocab)))}
+    assert reductions == [("data",)]
+
+    monkeypatch.setattr(axes, "ONE_HOST_RANKS", 4)  # 8 ranks: beyond "one host"
+    closed, held = _fsdp_ties(monkeypatch, mesh8)
+    made = {v: e for e in closed.jaxpr.eqns for v in e.outvars}
     assert {made[v].primitive.name for v in held} == {"dot_general"}
     assert {tuple(sorted(v.aval.shape)) for v in held} == {tuple(sorted((cfg.d_model, cfg.vocab)))}
     assert not set(held) & set(closed.jaxpr.outvars)  # the results are reduce-scattered
     # the rule that ties only a program's results finds nothing to tie here
-    monkeypatch.setattr(ready, "_matmuls_behind", lambda *a: [])
-    assert tie(closed) is closed
+    monkeypatch.setattr(ready, "_packed_behind", lambda *a: ([], []))
+    assert grad_program.ready_first(closed) is closed
 
 
 def _head_gradient_before_the_backward_loop(cfg) -> bool:
@@ -195,7 +216,7 @@ def test_an_fsdp_step_for_h100s_computes_the_heads_gradient_before_the_loop(monk
     6418 -> 6241 on 0.12); left to XLA (every version tried), it runs after the loop."""
     cfg = llama.SIZES["quick"]
     assert _head_gradient_before_the_backward_loop(cfg)
-    monkeypatch.setattr(ready, "_matmuls_behind", lambda *a: [])
+    monkeypatch.setattr(ready, "_packed_behind", lambda *a: ([], []))
     assert not _head_gradient_before_the_backward_loop(cfg)
 
 
@@ -268,18 +289,17 @@ _SCORES = llama.Config(vocab=8192, seq=1024, d_model=256, heads=4, kv_heads=2, f
                        layers=4, batch_per_device=2)  # fmt: skip
 
 
-@pytest.mark.parametrize("mode", ["fsdp"])
-def test_a_step_for_h100s_no_longer_recomputes_a_layer_on_the_losss_peak(mode, monkeypatch):
+def test_a_step_for_h100s_no_longer_recomputes_a_layer_on_the_losss_peak(monkeypatch):
     """XLA peels the backward loop's first layer out of it and, untied, runs its
     recompute (the attention scores) beside the loss's backward (the logits' fp32
     cotangent): both peaks at once. Tied, the step holds at least one scores tensor
-    less (measured: FSDP 259 -> 221 MiB, ZeRO 246 -> 226 on jax 0.10.2; ZeRO, the
-    same rewrite of the same program, is left out for the suite's time)."""
+    less (measured on jax 0.10.2: ZeRO 246 -> 226 MiB). FSDP in one host gains
+    nothing since its head's gradient is reduced before the loop (151 MiB either
+    way): the loss's backward is no longer the peak there."""
     mesh = jaxsync.gpu_topology("h100", hosts=1, gpus_per_host=2)
-    step = jaxsync.FSDP(policy=jaxsync.MixedPrecision(jnp.bfloat16)) if mode == "fsdp" else mode
 
     def held() -> float:
-        stats = lowered_llama_step(mesh, step, size=_SCORES).compile().memory_analysis()
+        stats = lowered_llama_step(mesh, "zero", size=_SCORES).compile().memory_analysis()
         return stats.argument_size_in_bytes + stats.temp_size_in_bytes
 
     tied = held()

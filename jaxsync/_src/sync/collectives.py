@@ -13,7 +13,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ..core.axes import AxisName, axes_size, bound_axes
+from ..core.axes import AxisName, axes_size, bound_axes, in_one_host
 from ..layout.layout import Layout
 from ..layout.records import BufferKey
 
@@ -115,22 +115,6 @@ def reduce_bucket(
     if scatter:
         return jax.lax.psum_scatter(x, axes, scatter_dimension=x.ndim - 1, tiled=True)
     return jax.lax.psum(x, axes)
-
-
-#: The largest reduce group that gets the all-to-all reduce-scatter: one host's
-#: NVLink domain. XLA's model of 64 x H100 over 8 hosts prices a 64-way all-to-all
-#: of 12 MiB at 2.6 ms against 0.5 ms for the fp32 ring reduce-scatter (5.3x), and
-#: a host-then-hosts split at 2.9 ms against 2.9 ms for 200 MiB (no gain): across
-#: hosts the fp32 ring stays.
-WIRE_SUM_MAX_GROUP = 8
-
-
-def in_one_host(axes: tuple[str, ...]) -> bool:
-    """Whether a reduction over ``axes`` (more than one rank) stays in one host's
-    NVLink domain (at most :data:`WIRE_SUM_MAX_GROUP` ranks), where its collectives
-    are cheap beside the compute: FSDP's halves (``fsdp.gather.halves``) and the
-    all-to-all sum (:func:`wire_sum`) are made only there."""
-    return 1 < axes_size(axes) <= WIRE_SUM_MAX_GROUP
 
 
 def wire_sum(dtype: Any, param_dtype: Any, axes: tuple[str, ...]) -> bool:
