@@ -90,9 +90,9 @@ ONE_HOST_RANKS = 8
 def in_one_host(axes: tuple[str, ...]) -> bool:
     """Whether a reduction over ``axes`` (more than one rank) stays in one host's
     NVLink domain (at most :data:`ONE_HOST_RANKS` ranks). Only there are the
-    all-to-all sum (``sync.collectives.wire_sum``), FSDP's halves
-    (``fsdp.gather.halves``) and a unit's reduction before the backward loop
-    (``program.ready``) made: across hosts the reductions set the loop's pace."""
+    all-to-all sum (``sync.collectives.wire_sum``) and FSDP's halves
+    (``fsdp.gather.halves``) made: across hosts the reductions set the loop's pace;
+    beyond it a step keeps two collectives in flight (``step.xla_options``)."""
     return 1 < axes_size(axes) <= ONE_HOST_RANKS
 
 
