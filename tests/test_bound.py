@@ -64,6 +64,16 @@ def test_the_bound_moves_exactly_a_bf16_reduce_scatter_and_all_gather(bound):
     assert "bound" in str(bound) and "MiB per GPU" in str(bound)
 
 
+def test_one_gpu_moves_nothing_and_computes_as_one_of_eight(bound):
+    """On one GPU the bound is its compute alone (no collective to price), the same
+    rows as one GPU of eight with all of the optimizer: at least as long."""
+    one = communication_bound(
+        loss_fn, params(), rows(), optax.adamw(1e-3), jaxsync.gpu_topology("h100", gpus_per_host=1)
+    )  # fmt: skip
+    assert (one.devices, one.comm_us, one.moved_bytes) == (1, 0.0, 0)
+    assert one.bound_us == one.compute_us >= bound.compute_us
+
+
 def test_more_rows_cost_compute_not_communication(mesh, bound):
     more = communication_bound(loss_fn, params(), rows(n=16), optax.adamw(1e-3), mesh)
     assert more.comm_us == pytest.approx(bound.comm_us, rel=1e-9)

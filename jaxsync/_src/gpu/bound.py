@@ -150,6 +150,8 @@ def communication_bound(
 
     state = rep(jax.eval_shape(optimizer.init, vec))
     opt = schedule_report(jax.jit(update).lower(vec, state, vec), options=options)
+    if n == 1:  # nothing to move (and no collective for XLA to schedule)
+        return CommunicationBound(grads.step_us + opt.step_us, 0.0, 0, n)
     comm, moved = _comm(mesh, axis_name, moves, shard * n, options)
     return CommunicationBound(grads.step_us + opt.step_us, comm.step_us, moved, n)
 
