@@ -423,8 +423,8 @@ def test_a_layers_gradient_is_reduced_in_halves_within_one_host(mesh8, monkeypat
     shard_map(lambda x: got.append(gather.halves((9, 1), ("data",), ())) or x)(jnp.zeros(()))
     shard_map(lambda x: got.append(gather.halves((3, 5), ("data",), ("r",))) or x)(jnp.zeros(()))
     assert got == [[[0, 1], [2]], [[0], [1]], [[0, 1]]]
-    from jaxsync._src.core import axes
+    from jaxsync._src.core import hosts
 
-    monkeypatch.setattr(axes, "ONE_HOST_RANKS", 4)  # 8 ranks: beyond "one host"
+    monkeypatch.setattr(hosts, "ONE_HOST_RANKS", 4)  # 8 ranks: beyond "one host"
     shard_map(lambda x: got.append(gather.halves((3, 5), ("data",), ())) or x)(jnp.zeros(()))
     assert got[-1] == [[0, 1]]

@@ -15,7 +15,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jaxsync
-from jaxsync._src.core import axes
+from jaxsync._src.core import hosts
 
 BF16, F32 = jnp.bfloat16, jnp.float32
 
@@ -89,7 +89,7 @@ def test_fp32_params_and_large_groups_keep_the_ring(mesh8, monkeypatch):
     assert jaxsync.lowered_collective_counts(fp32.lower(rows).as_text())["all-to-all"] == 0
     # a group larger than one host's NVLink domain: the fp32 ring (XLA's model prices
     # a 64-way all-to-all at 5x the ring)
-    monkeypatch.setattr(axes, "ONE_HOST_RANKS", 4)
+    monkeypatch.setattr(hosts, "ONE_HOST_RANKS", 4)
     bf16 = _scatter(mesh8, _layout({"w": jnp.zeros((16, 16), BF16)}), F32, BF16)
     counts = jaxsync.lowered_collective_counts(bf16.lower(rows).as_text())
     assert counts["all-to-all"] == 0 and counts["reduce-scatter"] == 1

@@ -79,23 +79,6 @@ def axes_size(axes: tuple[str, ...]) -> int:
     return math.prod(shape[a] for a in axes)
 
 
-#: The most ranks a reduction may span and stay in one host's NVLink domain, where its
-#: collectives are cheap beside the compute. XLA's model of 64 x H100 over 8 hosts
-#: prices a 64-way all-to-all of 12 MiB at 2.6 ms against 0.5 ms for the fp32 ring
-#: reduce-scatter (5.3x), and a host-then-hosts split at 2.9 ms against 2.9 ms for
-#: 200 MiB (no gain).
-ONE_HOST_RANKS = 8
-
-
-def in_one_host(axes: tuple[str, ...]) -> bool:
-    """Whether a reduction over ``axes`` (more than one rank) stays in one host's
-    NVLink domain (at most :data:`ONE_HOST_RANKS` ranks). Only there are the
-    all-to-all sum (``sync.collectives.wire_sum``) and FSDP's halves
-    (``fsdp.gather.halves``) made: across hosts the reductions set the loop's pace;
-    beyond it a step keeps two collectives in flight (``step.xla_options``)."""
-    return 1 < axes_size(axes) <= ONE_HOST_RANKS
-
-
 def mesh_axes_size(mesh: Any, axis_name: AxisName, fn: str) -> int:
     """Size of ``axis_name`` in a concrete ``mesh``, with a clear error if absent."""
     axes = normalize_axes(axis_name)

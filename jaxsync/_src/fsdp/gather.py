@@ -20,7 +20,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ..core.axes import axes_size, in_one_host, to_varying
+from ..core.axes import axes_size, to_varying
+from ..core.hosts import in_one_host
 from ..core.validate import check_bool, check_float_dtype
 
 PyTree = Any
@@ -157,7 +158,7 @@ def halves(widths: tuple[int, ...], axes, replicate) -> list[list[int]]:
     GPT 1.2B 5320 -> 5219, Llama-3.2-1B's shape 8544 -> 8264; XLA's timeline +1.3%,
     -0.2%, +1.8%). Across hosts the reductions set the backward loop's pace, and
     halves in sequence lengthen it (64 x H100, 7.2B: 93% -> 67% of the bound), so a
-    group beyond one host's NVLink (``core.axes.in_one_host``), or one that
+    group beyond one host's NVLink (``core.hosts.in_one_host``), or one that
     sums over replica axes too, reduces its pack whole.
     """
     every = list(range(len(widths)))

@@ -11,16 +11,16 @@ with an ``optimization_barrier``, so the loop cannot start before it is computed
 its inputs then die before the loop. Only a gradient made by a matmul whose inputs
 (those not already held as the program's arguments) are larger than it is tied: one
 that would hold more than it frees is left where XLA puts it. An FSDP unit's gradient
-leaves the program reduce-scattered from a pack of its params' gradients; there the
-reduced shard is tied: the matmul, its pack and the reduce-scatter run before the
-loop, and only the fp32 shard (a quarter of the bf16 gradient at 8 ranks, 1/32 at 64)
-is held across it. Tying only the matmul (its bf16 result held across the loop, the
-pack and reduction after it) took 8 x H100, Llama-style 1.1B, 6400 -> 6099 MiB per
-GPU; the reduction too then took 5433 -> 5339 MiB (``bench_gpu``; GPT 1.2B 5219 ->
-5060, Llama-3.2-1B's shape 8264 -> 7904; XLA's timeline +0.5%, +0.8%, +0.7%), and on
-64 x H100, with the step's two collectives in flight (``step.xla_options``), 7113 ->
-6434 MiB (7.2B Llama-style), 6567 -> 6255 (6.7B GPT), 9586 -> 7422 (Llama-3-8B's
-shape), XLA's timeline +0.9%, +1.0%, +2.1%.
+leaves the program reduce-scattered from a pack of its params' gradients. In one host
+(``core.hosts.in_one_host``) the reduced shard is tied: the matmul, its pack and the
+reduce-scatter run before the loop, and only the fp32 shard, a quarter of the bf16
+gradient at 8 ranks, is held across it (8 x H100, ``bench_gpu``: Llama-style 1.1B
+5433 -> 5339 MiB per GPU, GPT 1.2B 5219 -> 5060, Llama-3.2-1B's shape 8264 -> 7904;
+XLA's timeline +0.5%, +0.8%, +0.7%). Across hosts, where the reductions set the
+backward loop's pace, the matmul's own result is tied and the pack and reduction follow
+it (Llama-style 1.1B, 8 x H100: 6400 -> 6099 MiB per GPU, timeline 144.4 -> 145.3 ms):
+the reduction before the loop runs exposed there (64 x H100, 7.2B: 7104 -> 6797 MiB,
+410.2 -> 413.4 ms, below 93% of the bound).
 A gradient the program hands out wider than its matmul made it (fp32 params with a
 bf16 model: the cast's transpose) is held in the matmul's dtype and widened after
 the loop (8 x H100, DDP: Llama-style 1.1B 17203 -> 17076 MiB; Llama-3.2-1B's shape,
@@ -40,6 +40,7 @@ from typing import Any
 from jax.extend import core as jcore
 
 from ..core.axes import aval_varying_axes, normalize_axes
+from ..core.hosts import in_one_host
 from ..core.jaxpr_compat import barrier_eqn, scan_num_carry, scan_num_consts
 from .sink import RETYPES
 
@@ -230,7 +231,7 @@ def _ready_gradients(jaxpr: Any, made: dict, after: set, feeding: set) -> list:
             continue
         dots, reductions = _packed_behind(out, made, args)
         dots = [r for r in dots if r not in feeding and r not in ready and outweighs(made[r], r)]
-        if dots and reductions:
+        if dots and reductions and all(in_one_host(a) for a in reductions):
             ready.append(out)  # reduced before the loop too: its pack dies there
         else:
             ready.extend(dots)

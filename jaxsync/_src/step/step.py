@@ -30,6 +30,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ..core.axes import mesh_axes_size
+from ..core.hosts import traced_on
 from ..core.names import param_name
 from ..core.specs import full_spec
 from ..core.validate import check_float_params
@@ -287,8 +288,9 @@ class TrainStep:
         key_spec = () if kind is None else (P(),)
 
         def step(state: TrainState, batch: Any, *key: Any) -> tuple[TrainState, Any]:
-            batch = keyed(self, plan, batch, key[0] if key else None, kind)
-            return per_device(self, plan, state, batch)
+            with traced_on(self.mesh):  # which hosts each reduction spans
+                batch = keyed(self, plan, batch, key[0] if key else None, kind)
+                return per_device(self, plan, state, batch)
 
         # The program's name in profiles, dumps and XLA's logs: jit_jaxsync_zero_step.
         step.__name__ = step.__qualname__ = f"jaxsync_{self.mode.name}_step"

@@ -11,8 +11,7 @@ starts and completes inside one body); its timeline credits it either way.
   units' reduce-scatters apart (:data:`REDUCE_SCATTER_COMBINE`) and combines a
   layer's all-gathers (:data:`ALL_GATHER_COMBINE`); DDP's in-loop reduce-scatters are
   pipelined by XLA's default (the figures are at :data:`DOUBLE_BUFFERING` and
-  :func:`step_compiler_options`). 1-D FSDP and ZeRO across hosts keep two
-  collectives in flight (:data:`PARALLEL_COLLECTIVES`).
+  :func:`step_compiler_options`).
 - 2-D steps (a layer loop that waits on the compiler's tensor-parallel
   collectives) keep the pipelined reduce-scatter off: measured on 64 x H100 as
   data=8 x model=8 (1B GPT, the earlier reader) it held one more layer in flight
@@ -31,7 +30,6 @@ from typing import Any
 import jax
 from jax.sharding import Mesh
 
-from ..core.axes import ONE_HOST_RANKS
 from ..core.xla_names import pipelined, set_by_user
 from ..gpu.target import GPUS, gpu_kind
 
@@ -87,25 +85,6 @@ REDUCE_SCATTER_COMBINE = "xla_gpu_reduce_scatter_combine_threshold_bytes"
 #: 488.9 ms combined, 7025 -> 7054 MiB; on 8 x H100 (1.1B) 146.9 -> 151.5 ms, 6745 ->
 #: 6775 MiB. Either way below the one-row gather's 499.9 / 152.9 ms and 7444 / 6811 MiB.
 ALL_GATHER_COMBINE = "xla_gpu_all_gather_combine_threshold_bytes"
-
-
-#: How many collectives XLA's scheduler may keep in flight at once (its default, 1). At
-#: one, a collective cannot overlap a loop that runs collectives of its own: the
-#: embedding's reduce-scatter (ready after the backward layer loop) and the tables'
-#: gathers run exposed at the step's end. Across hosts (1-D FSDP and ZeRO over more than
-#: :data:`~jaxsync._src.core.axes.ONE_HOST_RANKS` ranks) the step allows two. 64 x H100
-#: over 8 hosts (``bench_gpu``, XLA's timeline, share of ``communication_bound``, MiB
-#: per GPU), one -> two: ZeRO, Llama-style 7.2B 96.1% -> 97.0% (7452 -> 7375 MiB), 6.7B
-#: GPT 92.5% -> 95.5% (7347 -> 7314), Llama-3-8B's shape (a 128256-token vocabulary)
-#: 89.4% -> 92.5% (9783 -> 10737: the head's fp32 pack now waits beside the loop); FSDP,
-#: its head's gradient now reduced before the loop too (``program.ready``), 93.4% ->
-#: 99.1% (7104 -> 6434 MiB), 91.1% -> 97.8% (6951 -> 6255), 88.0% -> 94.9% (8813 ->
-#: 7422). XLA's model does not price two collectives sharing the links; these steps'
-#: collectives take half their compute (the bound's two halves: 178 of 383 ms at 7.2B,
-#: 197 of 400 at 8B), room for both. In one host the gain is small and the memory goes
-#: either way (8 x H100: 0.0-1.9% shorter, ZeRO GPT 1.2B +156 MiB, FSDP Llama-3.2-1B's
-#: shape +180), so the step keeps XLA's default there.
-PARALLEL_COLLECTIVES = "xla_gpu_experimental_parallel_collective_overlap_limit"
 
 
 def state_share(state: Any, mesh: Mesh) -> float:
@@ -188,6 +167,4 @@ def step_compiler_options(
             wanted[ALL_GATHER_COMBINE] = layer_bytes
         if mode == "fsdp":
             wanted[REDUCE_SCATTER_COMBINE] = 1
-        if mode in ("fsdp", "zero") and devices > ONE_HOST_RANKS:
-            wanted[PARALLEL_COLLECTIVES] = 2
     return {k: v for k, v in wanted.items() if not set_by_user(k)}

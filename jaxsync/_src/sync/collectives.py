@@ -13,7 +13,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ..core.axes import AxisName, axes_size, bound_axes, in_one_host
+from ..core.axes import AxisName, axes_size, bound_axes
+from ..core.hosts import in_one_host
 from ..layout.layout import Layout
 from ..layout.records import BufferKey
 
