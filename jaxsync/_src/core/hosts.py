@@ -4,9 +4,10 @@ Some choices pay only inside one host, where collectives are cheap beside the
 compute: the all-to-all sum (``sync.collectives.wire_sum``), FSDP's halves
 (``fsdp.gather.halves``) and FSDP's head gradient reduced before the backward loop
 (``program.ready``). Across hosts the reductions set the pace of the layer loop
-instead. Where a step traces its per-device program it names its concrete mesh (:func:`traced_on`),
-whose devices say which process, so which host, each rank runs in; a reduction
-traced without one (a user's own ``shard_map``) is judged by its size alone.
+instead. Where a step traces its per-device program it names its concrete mesh
+(:func:`traced_on`), whose devices say which process, so which host, each rank runs
+in; a reduction traced without one (a user's own ``shard_map``) is judged by its size
+alone.
 """
 
 from __future__ import annotations
@@ -62,9 +63,7 @@ def in_one_host(axes: tuple[str, ...]) -> bool:
     """Whether a reduction over ``axes`` (more than one rank), traced now, stays in one
     host's NVLink domain: at most :data:`ONE_HOST_RANKS` ranks, all in one process of
     the mesh the step is traced on (:func:`traced_on`; by size alone without one)."""
-    if axes_size(axes) <= 1:
-        return False
-    mesh = _MESH.get()
+    size, mesh = axes_size(axes), _MESH.get()
     if mesh is not None and all(a in mesh.axis_names for a in axes):
-        return not across_hosts(mesh, axes)
-    return axes_size(axes) <= ONE_HOST_RANKS
+        return size > 1 and not across_hosts(mesh, axes)
+    return 1 < size <= ONE_HOST_RANKS
