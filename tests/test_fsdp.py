@@ -404,7 +404,8 @@ def test_a_layers_gradient_is_reduced_in_halves_within_one_host(mesh8, monkeypat
     state = step.init(params)
     halved = scatters(step, state)
     with monkeypatch.context() as m:
-        m.setattr(gather, "halves", lambda widths, axes, rep: [list(range(len(widths)))])
+        whole_group = lambda widths, axes, rep, order=None: [list(range(len(widths)))]  # noqa: E731
+        m.setattr(gather, "halves", whole_group)
         whole_step = jaxsync.train_step(_two_param_layers, tx, mesh8, "fsdp", stacked="blocks")
         whole = scatters(whole_step, whole_step.init(params))
     assert halved[0] == whole[0] + 1 and halved[1] > whole[1], (halved, whole)

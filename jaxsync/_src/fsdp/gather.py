@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from ..core.axes import axes_size, to_varying
 from ..core.hosts import in_one_host
 from ..core.validate import check_bool, check_float_dtype
+from .ready_order import order_of
 
 PyTree = Any
 
@@ -128,28 +129,39 @@ def pieces_fwd(shard, widths, axes, replicate, param_dtype, reduce_dtype):
 
 def pieces_bwd(widths, axes, replicate, param_dtype, reduce_dtype, like, cts):
     # Every rank's part of each buffer, side by side: the rank-major order of the
-    # shard, so one reduce-scatter leaves each rank its shard as it is stored; in
-    # halves (:func:`halves`), each rank's shard is its halves' parts in order.
+    # shard, so one reduce-scatter leaves each rank its shard as it is stored. In
+    # halves (:func:`halves`) each half's reduce-scatter leaves each rank its part of
+    # the half's pieces, which are then put back in the shard's order.
     n = axes_size(axes)
-    out: list[jax.Array] = []
-    for group in halves(widths, axes, replicate):
+    parts: dict[int, jax.Array] = {}
+    last = None
+    for group in halves(widths, axes, replicate, order_of(tuple(n * w for w in widths))):
         part = tuple(cts[i] for i in group)
-        if out:  # packed only when the half before is reduced: one pack held at a time
-            part, _ = jax.lax.optimization_barrier((part, out[-1]))
+        if last is not None:  # packed only when the half before is reduced: one pack held at a time
+            part, _ = jax.lax.optimization_barrier((part, last))
         rows = [
             ct.astype(reduce_dtype).reshape(*ct.shape[:-1], n, widths[i])
             for ct, i in zip(part, group, strict=True)
         ]
         packed = jnp.concatenate(rows, axis=-1)
         packed = packed.reshape(*packed.shape[:-2], n * packed.shape[-1])
-        out.append(reduce_shard(packed, axes, replicate))
-    shard = out[0] if len(out) == 1 else jnp.concatenate(out, axis=-1)
+        last = reduce_shard(packed, axes, replicate)
+        lo = 0
+        for i in group:
+            parts[i] = last[..., lo : lo + widths[i]]
+            lo += widths[i]
+    pieces = [parts[i] for i in range(len(widths))]
+    shard = pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces, axis=-1)
     return (shard.astype(like.dtype),)
 
 
-def halves(widths: tuple[int, ...], axes, replicate) -> list[list[int]]:
+def halves(
+    widths: tuple[int, ...], axes, replicate, order: tuple[int, ...] | None = None
+) -> list[list[int]]:
     """The pieces of a unit's gradient, grouped for its reduce-scatters: two halves
-    (by width) where the reduction stays in one host, one group otherwise.
+    (by width) where the reduction stays in one host, one group otherwise; the first
+    half is the pieces that come first in ``order`` (the order the backward
+    finishes them, :mod:`.ready_order`; default: the layout's).
 
     The pack a reduce-scatter reads is the whole layer's gradient in
     ``reduce_dtype``, fp32 for a bf16 model: on 8 x H100 it sat at the backward
@@ -164,12 +176,14 @@ def halves(widths: tuple[int, ...], axes, replicate) -> list[list[int]]:
     every = list(range(len(widths)))
     if len(widths) < 2 or replicate or not in_one_host(axes):
         return [every]
+    order = list(every if order is None else order)
+    assert sorted(order) == every, (order, widths)
     total, run = sum(widths), 0
-    for i, w in enumerate(widths[:-1]):
-        run += w
-        if 2 * run >= total:
-            return [every[: i + 1], every[i + 1 :]]
-    return [every[:-1], every[-1:]]
+    for k, i in enumerate(order[:-1]):
+        run += widths[i]
+        if 5 * run >= 3 * total:
+            return [sorted(order[: k + 1]), sorted(order[k + 1 :])]
+    return [sorted(order[:-1]), order[-1:]]
 
 
 gather_pieces.defvjp(pieces_fwd, pieces_bwd)

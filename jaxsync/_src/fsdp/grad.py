@@ -21,6 +21,7 @@ from ..program.grad_program import value_and_grad as program_value_and_grad
 from ..sync.remat_keep import keep_fsdp_gathered
 from ..sync.tap_rules import check_no_gather_under_cond
 from ..sync.views import NEVER_TAPPED, call_with_views
+from .ready_order import ready_orders, reduction_orders
 
 # The jaxsync.FullyShard whose method calls this: passed in, not imported (fsdp.py
 # imports this module).
@@ -45,9 +46,31 @@ def value_and_grad(
 
     # A views scope: an NNX loss merges fs.view(shards) with jaxsync.merge_module.
     scoped = call_with_views(loss_fn, tuple(fs._layers), "FSDP's sharded layers")
+    orders: dict = {}  # filled when the loss is traced, read by the gathers' backward
     loss_fn = _checked_loss(
-        scoped, has_aux, fs.axes, keep=not fs.reshard_after_forward, stacked=tuple(fs._layers)
+        scoped,
+        has_aux,
+        fs.axes,
+        keep=not fs.reshard_after_forward,
+        stacked=tuple(fs._layers),
+        orders=orders,
     )
+    with reduction_orders(orders):
+        return _value_and_grad(
+            fs, loss_fn, shards, batch, microbatches, sync_grad_accum, has_aux, all_aux
+        )
+
+
+def _value_and_grad(
+    fs: FullyShardT,
+    loss_fn: Callable[..., Any],
+    shards: dict[str, jax.Array],
+    batch: Any,
+    microbatches: int,
+    sync_grad_accum: bool,
+    has_aux: bool,
+    all_aux: bool,
+) -> tuple[Any, dict[str, jax.Array]]:
     if microbatches == 1:
         narrow = _alone_dtype(fs, shards)
         if narrow is None:
@@ -94,11 +117,14 @@ def _checked_loss(
     axes: Any,
     keep: bool = False,
     stacked: tuple[str, ...] = (),
+    orders: dict | None = None,
 ) -> Callable[..., Any]:
     """``loss_fn`` with the checks every mode makes of its loss (not yet averaged);
     ``keep``: every remat around a unit's gather keeps the gathered params
     (``reshard_after_forward=False``, :func:`remat_keep.keep_fsdp_gathered`);
-    ``stacked``: the stacked units, which a model module holds as placeholders."""
+    ``stacked``: the stacked units, which a model module holds as placeholders;
+    ``orders``: filled with the order each unit's gradients become ready in
+    (:func:`.ready_order.ready_orders`)."""
 
     def checked(*args: Any) -> Any:
         # Traced into a jaxpr, checked, and run from it (no second trace of the loss).
@@ -108,6 +134,8 @@ def _checked_loss(
             # nnx.scan, no tap): JAX would fail only when lowering, with its own words.
             raise ValueError(NEVER_TAPPED.format(groups=sorted(stacked)))
         check_no_gather_under_cond(closed.jaxpr, tuple(axes))
+        if orders is not None:
+            orders.update(ready_orders(closed.jaxpr))
         if keep:
             closed = keep_fsdp_gathered(closed)
         out = run_jaxpr(closed, shape, *args)

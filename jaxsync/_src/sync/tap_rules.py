@@ -93,7 +93,8 @@ class TapUse:
     depth: int = 0  # the deepest loop nesting of a tap
 
 
-def _subjaxprs(eqn: Any) -> Iterator[Any]:
+def subjaxprs(eqn: Any) -> Iterator[Any]:
+    """The programs ``eqn`` calls (a scan's body, a remat's, a branch's...)."""
     for value in eqn.params.values():
         for v in value if isinstance(value, tuple | list) else (value,):
             if isinstance(v, jcore.ClosedJaxpr):
@@ -153,7 +154,7 @@ def _walk(jaxpr: Any, axes: Sequence[str], loops: int) -> dict[str, TapUse]:
                 add(g, TapUse(best.count, any(u.outside for u in per), max(u.depth for u in per)))
             continue
         inner = loops + 1 if name in ("scan", "while") else loops
-        for sub in _subjaxprs(eqn):
+        for sub in subjaxprs(eqn):
             for g, use in _walk(sub, axes, inner).items():
                 add(g, use)
     return uses
@@ -201,7 +202,7 @@ def _gathers(jaxpr: Any) -> bool:
     for eqn in jaxpr.eqns:
         if custom_name(eqn) == FSDP_GATHER and (eqn.invars or eqn.outvars):
             return True
-        if any(_gathers(sub) for sub in _subjaxprs(eqn)):
+        if any(_gathers(sub) for sub in subjaxprs(eqn)):
             return True
     return False
 
@@ -213,5 +214,5 @@ def check_no_gather_under_cond(jaxpr: Any, axes: Sequence[str]) -> None:
             varying = sorted(_varying(eqn.invars[0].aval) & set(axes))
             if varying and any(_gathers(b.jaxpr) for b in eqn.params["branches"]):
                 raise ValueError(GATHER_UNDER_COND.format(axes=varying))
-        for sub in _subjaxprs(eqn):
+        for sub in subjaxprs(eqn):
             check_no_gather_under_cond(sub, axes)
