@@ -159,19 +159,24 @@ def halves(
     widths: tuple[int, ...], axes, replicate, order: tuple[int, ...] | None = None
 ) -> list[list[int]]:
     """The pieces of a unit's gradient, grouped for its reduce-scatters: two halves
-    (by width) where the reduction stays in one host, one group otherwise; the first
-    half is the pieces that come first in ``order`` (the order the backward
-    finishes them, :mod:`.ready_order`; default: the layout's).
+    where the reduction stays in one host, one group otherwise. The first half is
+    the pieces that come first in ``order`` (the order the backward finishes them,
+    :mod:`.ready_order`; default: the layout's), 3/5 of the width: it is reduced
+    while the second is computed, and the second's pack waits into the next layer.
+    Cut at half, the first half's pack sat at the backward loop's peak, beside the
+    attention's buffers (8 x H100, Llama-style 1.1B: 5511 MiB against 5314).
 
     The pack a reduce-scatter reads is the whole layer's gradient in
     ``reduce_dtype``, fp32 for a bf16 model: on 8 x H100 it sat at the backward
     loop's peak (Llama-style 1.1B: 172 MiB). Packed and reduced a half at a time,
-    the step holds less (8 x H100, ``bench_gpu``: Llama-style 1.1B 5693 -> 5433 MiB,
-    GPT 1.2B 5320 -> 5219, Llama-3.2-1B's shape 8544 -> 8264; XLA's timeline +1.3%,
-    -0.2%, +1.8%). Across hosts the reductions set the backward loop's pace, and
-    halves in sequence lengthen it (64 x H100, 7.2B: 93% -> 67% of the bound), so a
-    group beyond one host's NVLink (``core.hosts.in_one_host``), or one that
-    sums over replica axes too, reduces its pack whole.
+    the step holds less (8 x H100, ``bench_gpu``, in the layout's order: Llama-style
+    1.1B 5693 -> 5433 MiB, GPT 1.2B 5320 -> 5219, Llama-3.2-1B's shape 8544 -> 8264;
+    XLA's timeline +1.3%, -0.2%, +1.8%; with the head's gradient reduced before the
+    loop, then in the ready order: 5314, 4928 and 7871 MiB, timelines 1.8%, 0.7% and
+    2.0% shorter than in the layout's order). Across hosts the reductions set the
+    backward loop's pace, and halves in sequence lengthen it (64 x H100, 7.2B: 93% ->
+    67% of the bound), so a group beyond one host's NVLink (``core.hosts.in_one_host``),
+    or one that sums over replica axes too, reduces its pack whole.
     """
     every = list(range(len(widths)))
     if len(widths) < 2 or replicate or not in_one_host(axes):
