@@ -140,3 +140,66 @@ def test_inside_the_layer_loop_the_ring_stays(mesh8):
     assert counts["all-to-all"] == 1 and counts["reduce-scatter"] == 1
     scatter = text.split("reduce_scatter")[1][:600]
     assert "xf32>" in scatter  # the loop's ring sums in fp32
+
+
+def test_fsdps_unstacked_units_send_bf16_and_train_as_the_ring(mesh8, monkeypatch):
+    """FSDP with a bf16 policy: the unstacked units (embedding, head), reduced once outside
+    the layer loop, send bf16 and sum in fp32; the scanned layers keep the fp32 ring.
+    The same training as with every unit on the ring (the sums differ in order only),
+    and none of it with fp32 compute (the cotangents are fp32: nothing narrower to send)
+    or with replica axes."""
+    import optax
+
+    from jaxsync._src.fsdp import gather
+
+    rng = np.random.default_rng(4)
+    params = {
+        "embed": jnp.asarray(rng.standard_normal((64, 32)) * 0.3, F32),
+        "blocks": {"w": jnp.asarray(rng.standard_normal((3, 32, 32)) * 0.1, F32)},
+        "head": jnp.asarray(rng.standard_normal((32, 8)) * 0.3, F32),
+    }
+
+    def loss(p, tokens):
+        h = p["embed"][tokens]
+
+        def body(h, w):
+            return jnp.tanh(h @ jaxsync.tap(w)["w"]), None
+
+        h, _ = jax.lax.scan(body, h, p["blocks"])
+        return jnp.mean(jnp.square((h @ p["head"]).astype(F32)))
+
+    tokens = jnp.asarray(rng.integers(0, 64, (16,)), jnp.int32)
+    tx = optax.sgd(0.1)
+
+    def run(policy):
+        step = jaxsync.train_step(loss, tx, mesh8, jaxsync.FSDP(policy=policy), stacked="blocks")
+        state = step.init(params)
+        counts = jaxsync.lowered_collective_counts(step.lower(state, tokens).as_text())
+        for _ in range(2):
+            state, _ = step(state, tokens)
+        return counts, step.params(state)
+
+    bf16 = jaxsync.MixedPrecision(param_dtype=BF16)
+    counts, wired = run(bf16)
+    assert counts["all-to-all"] == 2 and counts["reduce-scatter"] == 1, counts
+    with monkeypatch.context() as m:
+        m.setattr(gather, "wire_sum", lambda *a: False)
+        ring_counts, ring = run(bf16)
+    assert ring_counts["all-to-all"] == 0 and ring_counts["reduce-scatter"] == 3, ring_counts
+    for a, b in zip(jax.tree.leaves(wired), jax.tree.leaves(ring), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+    fp32_counts, _ = run(jaxsync.MixedPrecision(param_dtype=F32))
+    assert fp32_counts["all-to-all"] == 0, fp32_counts
+
+    def sends(mesh, axes, replicate):
+        def grad(s):
+            full = gather.gather_shard(s, axes, replicate, "bfloat16", "float32")
+            return jnp.sum(jnp.square(full.astype(F32)))
+
+        fn = jax.shard_map(jax.grad(grad), mesh=mesh, in_specs=P(axes), out_specs=P(axes))
+        x = jax.ShapeDtypeStruct((64,), F32, sharding=jax.NamedSharding(mesh, P(axes)))
+        return jaxsync.lowered_collective_counts(jax.jit(fn).lower(x).as_text())
+
+    assert sends(mesh8, ("data",), ())["all-to-all"] == 1
+    hybrid = sends(jax.make_mesh((2, 4), ("replica", "shard")), ("shard",), ("replica",))
+    assert hybrid["all-to-all"] == 0 and hybrid["reduce-scatter"] == 1, hybrid

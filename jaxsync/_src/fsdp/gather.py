@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from ..core.axes import axes_size, to_varying
 from ..core.hosts import in_one_host
 from ..core.validate import check_bool, check_float_dtype
+from ..sync.collectives import scatter_wire_sum, wire_sum
 from .ready_order import order_of
 
 PyTree = Any
@@ -84,8 +85,15 @@ def cast_floats(tree: PyTree, dtype: Any) -> PyTree:
     )
 
 
-def reduce_shard(flat: jax.Array, axes: tuple[str, ...], replicate: tuple[str, ...]) -> jax.Array:
-    out = jax.lax.psum_scatter(flat, axes, scatter_dimension=flat.ndim - 1, tiled=True)
+def reduce_shard(
+    flat: jax.Array, axes: tuple[str, ...], replicate: tuple[str, ...], wire: str = ""
+) -> jax.Array:
+    """``flat``'s reduce-scatter over ``axes`` (sending ``wire``, summing in ``flat``'s
+    dtype, where given), all-reduced over ``replicate``, averaged."""
+    if wire:
+        out = scatter_wire_sum(flat, axes, jnp.dtype(wire))
+    else:
+        out = jax.lax.psum_scatter(flat, axes, scatter_dimension=flat.ndim - 1, tiled=True)
     if replicate:
         out = jax.lax.psum(out, replicate)
     return out * (1.0 / axes_size(axes + replicate))
@@ -95,17 +103,32 @@ def gather_shard(
     shard: jax.Array, axes, replicate, param_dtype: str, reduce_dtype: str
 ) -> jax.Array:
     """The whole shard all-gathered in ``param_dtype`` (:func:`gather_pieces` of one
-    piece); its backward reduce-scatters the cotangent, in ``reduce_dtype``, into it."""
+    piece); its backward reduce-scatters the cotangent, in ``reduce_dtype``, into it.
+
+    An unstacked unit (an embedding, a head) is reduced once, after the backward
+    (or before its layer loop), where no layer's compute is left to hide it. In one
+    host its fp32 sums of a bf16 model's gradients send bf16 (``wire_sum``: exact,
+    the cotangents are bf16), half the bytes of an fp32 ring.
+    """
     width = (shard.shape[-1],)
-    return gather_pieces(shard, width, axes, replicate, param_dtype, reduce_dtype)[0]
+    wire = param_dtype if not replicate and wire_sum(reduce_dtype, param_dtype, axes) else ""
+    return gather_pieces(shard, width, axes, replicate, param_dtype, reduce_dtype, wire)[0]
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4, 5))
+@partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4, 5, 6))
 def gather_pieces(
-    shard: jax.Array, widths: tuple[int, ...], axes, replicate, param_dtype: str, reduce_dtype: str
+    shard: jax.Array,
+    widths: tuple[int, ...],
+    axes,
+    replicate,
+    param_dtype: str,
+    reduce_dtype: str,
+    wire: str = "",
 ) -> tuple[jax.Array, ...]:
     """Each ``widths`` piece of ``shard`` (a stacked layer's: one per param), all-gathered
-    on its own, in ``param_dtype``: the flat arrays of the unit's buffers.
+    on its own, in ``param_dtype``: the flat arrays of the unit's buffers. The backward
+    reduce-scatters in ``reduce_dtype``, sending ``wire`` where given
+    (:func:`~jaxsync._src.sync.collectives.scatter_wire_sum`).
 
     Gathered as device-varying (over the replica axes too): typed replicated, JAX
     would psum the cotangent before our backward ever saw it (the implicit
@@ -121,13 +144,13 @@ def gather_pieces(
     return tuple(out)
 
 
-def pieces_fwd(shard, widths, axes, replicate, param_dtype, reduce_dtype):
+def pieces_fwd(shard, widths, axes, replicate, param_dtype, reduce_dtype, wire=""):
     # The residual only carries the shard's dtype (an empty array of it).
-    out = gather_pieces(shard, widths, axes, replicate, param_dtype, reduce_dtype)
+    out = gather_pieces(shard, widths, axes, replicate, param_dtype, reduce_dtype, wire)
     return out, jnp.zeros((0,), shard.dtype)
 
 
-def pieces_bwd(widths, axes, replicate, param_dtype, reduce_dtype, like, cts):
+def pieces_bwd(widths, axes, replicate, param_dtype, reduce_dtype, wire, like, cts):
     # Every rank's part of each buffer, side by side: the rank-major order of the
     # shard, so one reduce-scatter leaves each rank its shard as it is stored. In
     # halves (:func:`halves`) each half's reduce-scatter leaves each rank its part of
@@ -145,7 +168,7 @@ def pieces_bwd(widths, axes, replicate, param_dtype, reduce_dtype, like, cts):
         ]
         packed = jnp.concatenate(rows, axis=-1)
         packed = packed.reshape(*packed.shape[:-2], n * packed.shape[-1])
-        last = reduce_shard(packed, axes, replicate)
+        last = reduce_shard(packed, axes, replicate, wire)
         lo = 0
         for i in group:
             parts[i] = last[..., lo : lo + widths[i]]

@@ -48,8 +48,11 @@ _SCAN = jcore.primitives.scan_p
 #: Ops a gradient may pass through between its matmul and the program's output: the
 #: conversions a broadcast may pass through (:data:`sink.RETYPES`) and layout changes.
 _RESHAPES = RETYPES | {"transpose", "reshape", "squeeze", "expand_dims"}
-#: ... and the ops that pack gradients into a unit's flat array and reduce it there.
-_PACKS = _RESHAPES | {"pad", "add_any", "concatenate", "slice", "mul", "reduce_scatter"}
+#: ... and the ops that pack gradients into a unit's flat array and reduce it there
+#: (a reduce-scatter, or an all-to-all and the sum of what it brought:
+#: ``sync.collectives.scatter_wire_sum``).
+_REDUCTIONS = {"reduce_scatter", "all_to_all"}
+_PACKS = _RESHAPES | {"pad", "add_any", "concatenate", "slice", "mul"} | _REDUCTIONS
 
 
 def ready_first(closed: Any) -> Any:
@@ -240,7 +243,7 @@ def _ready_gradients(jaxpr: Any, made: dict, after: set, feeding: set) -> list:
 
 def _packed_behind(out: Any, made: dict, args: set) -> tuple[list, list]:
     """The results of the matmuls ``out`` is packed and reduced from (through
-    :data:`_PACKS`), and the mesh axes of each reduce-scatter on the way."""
+    :data:`_PACKS`), and the mesh axes of each reduction on the way."""
     found, axes, seen, todo = [], [], set(), [out]
     while todo:
         v = todo.pop()
@@ -250,11 +253,21 @@ def _packed_behind(out: Any, made: dict, args: set) -> tuple[list, list]:
         e = made[v]
         if e.primitive.name == "dot_general":
             found.append(v)
-        elif e.primitive.name in _PACKS:
-            if e.primitive.name == "reduce_scatter":
+        elif e.primitive.name in _PACKS or _sums_all_to_all(e, made):
+            if e.primitive.name in _REDUCTIONS:
                 axes.append(tuple(normalize_axes(e.params["axis_name"])))
             todo.extend(x for x in e.invars if isinstance(x, jcore.Var))
     return found, axes
+
+
+def _sums_all_to_all(e: Any, made: dict) -> bool:
+    """Whether ``e`` sums what an all-to-all brought (through type and layout changes)."""
+    if e.primitive.name != "reduce_sum":
+        return False
+    v = e.invars[0]
+    while isinstance(v, jcore.Var) and v in made and made[v].primitive.name in _RESHAPES:
+        v = made[v].invars[0]
+    return isinstance(v, jcore.Var) and v in made and made[v].primitive.name == "all_to_all"
 
 
 def _nbytes(aval: Any) -> int:
