@@ -613,6 +613,14 @@ def test_fsdp_bad_arguments(mesh8):
         fs.apply({"a": None}, "b", lambda p, x: x, 1.0)
     with pytest.raises(TypeError, match="`MixedPrecision.param_dtype` must be a floating dtype"):
         jaxsync.MixedPrecision(param_dtype=jnp.int8)
+    # None is not a dtype here: it read as float64, which JAX truncated with a warning
+    with pytest.raises(TypeError, match=r"`MixedPrecision.reduce_dtype` .* got None; leave"):
+        jaxsync.MixedPrecision(reduce_dtype=None)
+    with pytest.raises(TypeError, match=r"`reduce_dtype` must be a floating dtype .* got None"):
+        jaxsync.distributed_optimizer(optax.sgd(0.1), axis_name="data", reduce_dtype=None)
+    with pytest.raises(TypeError, match=r"`ZeRO.reduce_dtype` .* got None"):
+        jaxsync.ZeRO(reduce_dtype=None)
+    assert jaxsync.DDP(reduce_dtype=None).reduce_dtype is None  # there: the gradients' own
     with pytest.raises(ValueError, match=r"\['a'\] appear more than once"):
         jaxsync.fully_shard(params, axis_name="data", units=["a", "a", "b"], mesh=mesh8)
     with pytest.raises(ValueError, match="`max_norm` must be a finite positive number"):

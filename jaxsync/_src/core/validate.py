@@ -51,9 +51,16 @@ def check_option(value: Any, cls: type, what: str) -> Any:
 
 
 def check_float_dtype(dtype: Any, name: str, *, allow_none: bool = False) -> None:
-    """Reductions and master weights in an integer dtype would truncate silently."""
-    if dtype is None and allow_none:
-        return
+    """Reductions and master weights in an integer dtype would truncate silently; and
+    ``None``, where it has no meaning of its own, would read as float64 (which JAX
+    truncates to float32 with a warning, or keeps under ``jax_enable_x64``)."""
+    if dtype is None:
+        if allow_none:
+            return
+        raise TypeError(
+            f"`{name}` must be a floating dtype (float32, bfloat16, ...), got None; "
+            "leave the argument out for its default."
+        )
     try:
         dt = jnp.dtype(dtype)
     except TypeError as e:

@@ -39,7 +39,13 @@ class _Bucketed:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "bucket_size", check_bucket_size(self.bucket_size))
-        check_float_dtype(self.reduce_dtype, f"{type(self).__name__}.reduce_dtype", allow_none=True)
+        # None: DDP reduces each gradient in its own dtype; ZeRO's optimizer math runs
+        # in ``reduce_dtype``, which must then be one.
+        check_float_dtype(
+            self.reduce_dtype,
+            f"{type(self).__name__}.reduce_dtype",
+            allow_none=self.name == "ddp",
+        )
         check_rules(self.rules)
         det = check_deterministic(self.deterministic, f"{type(self).__name__}.deterministic")
         object.__setattr__(self, "deterministic", det)
