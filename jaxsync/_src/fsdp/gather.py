@@ -196,10 +196,13 @@ def halves(
     1.1B 5693 -> 5433 MiB, GPT 1.2B 5320 -> 5219, Llama-3.2-1B's shape 8544 -> 8264;
     XLA's timeline +1.3%, -0.2%, +1.8%; with the head's gradient reduced before the
     loop, then in the ready order: 5314, 4928 and 7871 MiB, timelines 1.8%, 0.7% and
-    2.0% shorter than in the layout's order). Across hosts the reductions set the
-    backward loop's pace, and halves in sequence lengthen it (64 x H100, 7.2B: 93% ->
-    67% of the bound), so a group beyond one host's NVLink (``core.hosts.in_one_host``),
-    or one that sums over replica axes too, reduces its pack whole.
+    2.0% shorter than in the layout's order). Across hosts a half's reduction can
+    outlast the compute left to hide it, and halves in sequence then lengthen the
+    backward loop (7.2B: 98% -> 75% of the bound on 2 hosts of 8 H100s, 93% -> 72% on
+    8 hosts; a first half of 1/3 or 1/5: 82%, 81%), though a 1.1B model on 2 hosts
+    gains (4642 -> 4384 MiB, 96% -> 98%). So a group beyond one host's NVLink
+    (``core.hosts.in_one_host``), or one that sums over replica axes too, reduces its
+    pack whole.
     """
     every = list(range(len(widths)))
     if len(widths) < 2 or replicate or not in_one_host(axes):

@@ -55,60 +55,45 @@ def value_and_grad(
         stacked=tuple(fs._layers),
         orders=orders,
     )
-    with reduction_orders(orders):
-        return _value_and_grad(
-            fs, loss_fn, shards, batch, microbatches, sync_grad_accum, has_aux, all_aux
-        )
+    with reduction_orders(orders):  # the whole trace: a microbatch scan differentiates in its body
+        if microbatches == 1:
+            narrow = _alone_dtype(fs, shards)
+            if narrow is None:
+                out, grads = program_value_and_grad(loss_fn, has_aux=has_aux)(shards, batch)
+            else:  # cast once; each shard's gradient comes back at the model's width, exact
+                cast = jax.tree.map(lambda s: s.astype(narrow), shards)
+                out, grads = program_value_and_grad(loss_fn, has_aux=has_aux)(cast, batch)
+                grads = jax.tree.map(lambda g, s: g.astype(s.dtype), grads, shards)
+            if all_aux and has_aux:
+                out = (out[0], jax.tree.map(lambda a: jnp.asarray(a)[None], out[1]))
+            return out, grads
+        mbs = split_microbatches(microbatches, batch)
+        if sync_grad_accum:
+            target, grad_fn = shards, program_value_and_grad(loss_fn, has_aux=has_aux)
+        else:
+            # Local gradients of the gathered params (varying: no implicit psum).
+            target = to_varying(fs.gather_all(shards), fs.axes + fs.replicate_axes)
+            grad_fn = program_value_and_grad(loss_fn, has_aux=has_aux)
 
+        def body(acc: Any, mb: Any) -> tuple[Any, Any]:
+            loss, g = grad_fn(target, mb)
+            return jax.tree.map(lambda a, x: a + x.astype(jnp.float32), acc, g), loss
 
-def _value_and_grad(
-    fs: FullyShardT,
-    loss_fn: Callable[..., Any],
-    shards: dict[str, jax.Array],
-    batch: Any,
-    microbatches: int,
-    sync_grad_accum: bool,
-    has_aux: bool,
-    all_aux: bool,
-) -> tuple[Any, dict[str, jax.Array]]:
-    if microbatches == 1:
-        narrow = _alone_dtype(fs, shards)
-        if narrow is None:
-            out, grads = program_value_and_grad(loss_fn, has_aux=has_aux)(shards, batch)
-        else:  # cast once; each shard's gradient comes back at the model's width, exact
-            cast = jax.tree.map(lambda s: s.astype(narrow), shards)
-            out, grads = program_value_and_grad(loss_fn, has_aux=has_aux)(cast, batch)
-            grads = jax.tree.map(lambda g, s: g.astype(s.dtype), grads, shards)
-        if all_aux and has_aux:
-            out = (out[0], jax.tree.map(lambda a: jnp.asarray(a)[None], out[1]))
-        return out, grads
-    mbs = split_microbatches(microbatches, batch)
-    if sync_grad_accum:
-        target, grad_fn = shards, program_value_and_grad(loss_fn, has_aux=has_aux)
-    else:
-        # Local gradients of the gathered params (varying: no implicit psum).
-        target = to_varying(fs.gather_all(shards), fs.axes + fs.replicate_axes)
-        grad_fn = program_value_and_grad(loss_fn, has_aux=has_aux)
-
-    def body(acc: Any, mb: Any) -> tuple[Any, Any]:
-        loss, g = grad_fn(target, mb)
-        return jax.tree.map(lambda a, x: a + x.astype(jnp.float32), acc, g), loss
-
-    loss0, g0 = grad_fn(target, jax.tree.map(lambda m: m[0], mbs))
-    acc = jax.tree.map(lambda x: x.astype(jnp.float32), g0)
-    acc, losses = jax.lax.scan(body, acc, jax.tree.map(lambda m: m[1:], mbs))
-    grads = jax.tree.map(lambda a: a / microbatches, acc)
-    if has_aux:
-        (loss0, aux0), (losses, aux) = loss0, losses
-    loss = (loss0 + jnp.sum(losses)) / microbatches
-    if not sync_grad_accum:
-        grads = fs.reduce_gathered(grads)
-    if has_aux and all_aux:
-        stack = lambda a0, a: jnp.concatenate([jnp.asarray(a0)[None], a])  # noqa: E731
-        return (loss, jax.tree.map(stack, aux0, aux)), grads
-    if has_aux:
-        return (loss, jax.tree.map(lambda a: a[-1], aux)), grads
-    return loss, grads
+        loss0, g0 = grad_fn(target, jax.tree.map(lambda m: m[0], mbs))
+        acc = jax.tree.map(lambda x: x.astype(jnp.float32), g0)
+        acc, losses = jax.lax.scan(body, acc, jax.tree.map(lambda m: m[1:], mbs))
+        grads = jax.tree.map(lambda a: a / microbatches, acc)
+        if has_aux:
+            (loss0, aux0), (losses, aux) = loss0, losses
+        loss = (loss0 + jnp.sum(losses)) / microbatches
+        if not sync_grad_accum:
+            grads = fs.reduce_gathered(grads)
+        if has_aux and all_aux:
+            stack = lambda a0, a: jnp.concatenate([jnp.asarray(a0)[None], a])  # noqa: E731
+            return (loss, jax.tree.map(stack, aux0, aux)), grads
+        if has_aux:
+            return (loss, jax.tree.map(lambda a: a[-1], aux)), grads
+        return loss, grads
 
 
 def _checked_loss(

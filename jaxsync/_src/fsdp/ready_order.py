@@ -42,9 +42,9 @@ _ORDERS: contextvars.ContextVar[Mapping[Order, Order] | None] = contextvars.Cont
 
 def ready_orders(jaxpr: Any) -> dict[Order, Order]:
     """``{sizes of a gather's outputs: their indices, first ready first}`` for every
-    unit gather in ``jaxpr`` (and the programs it calls) whose outputs are all used.
-    Gathers of the same sizes read in different orders are left out (their
-    backward keeps the layout's order)."""
+    unit gather in ``jaxpr`` and the programs it calls (ties keep the layout's
+    order). Gathers of the same sizes read in different orders are left out: their
+    backward keeps the layout's order."""
     found: dict[Order, Order] = {}
     clash: set[Order] = set()
     for eqns, k in _gathers(jaxpr):
