@@ -133,3 +133,23 @@ def test_a_stack_a_backward_loop_carries_is_live_at_its_peak():
     assert stack, report.table(10, ranges=True)
     assert "transpose(jvp" in stack[0].live_to and "transpose" not in stack[0].live_from
     assert "jvp()" in stack[0].made_by and "transpose" not in stack[0].made_by
+
+
+@pytest.mark.skipif(
+    not jaxsync.gpu_target_available(),
+    reason="compile-only GPU meshes need jax-cuda12-plugin (`make test` installs it)",
+)
+def test_on_a_gpu_target_it_reports_the_program_schedule_report_prices():
+    """Without a GPU, XLA's Triton gemm fusions get placeholder tiles; the schedule
+    (and ``bench_gpu``'s memory column) sends matmuls to cuBLAS, and so does the report
+    by default: the same temporaries, 9 in 10 of their bytes live at its peak. Asked for, the
+    Triton program is another one (more temporaries on this step)."""
+    from helpers import lowered_llama_step
+
+    lowered = lowered_llama_step(jaxsync.gpu_topology("h100", gpus_per_host=2), "zero")
+    report = jaxsync.memory_report(lowered)
+    schedule = jaxsync.schedule_report(lowered)
+    assert report.temps == schedule.memory["temps"]
+    assert 0.9 * report.temps <= report.peak - report.arguments <= report.temps
+    triton = jaxsync.memory_report(lowered, options={"xla_gpu_enable_triton_gemm": True})
+    assert triton.temps > report.temps

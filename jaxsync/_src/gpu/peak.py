@@ -142,7 +142,13 @@ def memory_report(lowered: Any, *, options: Mapping[str, Any] | None = None) -> 
         :meth:`jaxsync.TrainStep.lower`), for any backend: a GPU mesh from
         :func:`jaxsync.gpu_topology` gives the H100's exact figures without a GPU.
       options: extra XLA compile options (the program is compiled with them, so
-        the report is of that program).
+        the report is of that program). By default matmuls go to cuBLAS, as in
+        :func:`jaxsync.schedule_report`: without a GPU, XLA's Triton gemm fusions get
+        placeholder tiles, and their buffers are not the ones a GPU would hold (the
+        quick Llama ZeRO step on 2 x H100: 119 MiB of temporaries with them, 101
+        without); so the report explains the memory ``schedule_report`` and
+        ``bench_gpu`` give. Pass ``{"xla_gpu_enable_triton_gemm": True}`` for the
+        other program.
 
     Returns:
       A :class:`MemoryReport`; ``print(report)`` shows the largest buffers.
@@ -152,7 +158,7 @@ def memory_report(lowered: Any, *, options: Mapping[str, Any] | None = None) -> 
       >>> print(report.table(10))
       >>> report.by_origin(depth=2)
     """
-    from .schedule import _compile  # the same fresh compile the schedule dump needs
+    from .schedule import CUBLAS_GEMMS, _compile  # the same fresh compile as the schedule
 
     if not hasattr(lowered, "compile"):
         raise TypeError(
@@ -165,7 +171,8 @@ def memory_report(lowered: Any, *, options: Mapping[str, Any] | None = None) -> 
             f"got {type(options).__name__}."
         )
     with tempfile.TemporaryDirectory() as where:
-        compiled = _compile(lowered, {**(options or {}), "xla_dump_to": where})
+        opts = {**CUBLAS_GEMMS, **(options or {}), "xla_dump_to": where}
+        compiled = _compile(lowered, opts)
         live = _newest(where, "*after_optimizations-live-range.txt")
         if live is None:
             import jax

@@ -52,11 +52,12 @@ from .twin import pricing_twin
 # falls back to a placeholder tiling (16x8, 2 warps) that its cost model prices
 # at up to ~50x the tuned kernel (seen on jax 0.10.2), which would swamp the
 # step with an artefact of compiling without a device.
+CUBLAS_GEMMS: Mapping[str, Any] = {"xla_gpu_enable_triton_gemm": False}
 SCHEDULE_OPTIONS: Mapping[str, Any] = {
     "xla_gpu_enable_latency_hiding_scheduler": True,
     "xla_gpu_enable_analytical_sol_latency_estimator": True,
     "xla_dump_latency_hiding_schedule": True,
-    "xla_gpu_enable_triton_gemm": False,
+    **CUBLAS_GEMMS,
 }
 # The collective flags of JAX's GPU performance guide: pipeline the loop-carried
 # collectives across iterations and combine small ones (thresholds in bytes).
