@@ -15,12 +15,12 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import math
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 
 from .axes import axes_size
+from .scoped import scoped
 
 #: The most ranks a reduction may span and stay in one host's NVLink domain. XLA's
 #: model of 64 x H100 over 8 hosts prices a 64-way all-to-all of 12 MiB at 2.6 ms
@@ -31,14 +31,9 @@ ONE_HOST_RANKS = 8
 _MESH: contextvars.ContextVar[Any] = contextvars.ContextVar("jaxsync_traced_mesh", default=None)
 
 
-@contextlib.contextmanager
-def traced_on(mesh: Any) -> Iterator[None]:
+def traced_on(mesh: Any) -> contextlib.AbstractContextManager[None]:
     """While a step traces its per-device program: the concrete ``mesh`` it runs on."""
-    token = _MESH.set(mesh)
-    try:
-        yield
-    finally:
-        _MESH.reset(token)
+    return scoped(_MESH, mesh)
 
 
 def hosts_spanned(mesh: Any, axes: tuple[str, ...]) -> int:

@@ -26,6 +26,7 @@ from typing import Any
 
 from jax.extend import core as jcore
 
+from ..core.scoped import scoped
 from ..sync.tap_rules import FSDP_GATHER, custom_name, subjaxprs
 
 #: Ops that only re-type, re-shape or name a value: a use through them is not yet a use.
@@ -50,7 +51,7 @@ def ready_orders(jaxpr: Any) -> dict[Order, Order]:
     for eqns, k in _gathers(jaxpr):
         e = eqns[k]
         sizes = tuple(math.prod(v.aval.shape) for v in e.outvars)
-        firsts = [_first_use(eqns, k, v) for v in e.outvars]
+        firsts = [_first_use(eqns, k + 1, v) for v in e.outvars]
         # Used last in the forward: differentiated first. Unused: zero, ready at once.
         order = tuple(sorted(range(len(firsts)), key=lambda i: _desc(firsts[i])))
         if found.get(sizes, order) != order:
@@ -59,14 +60,9 @@ def ready_orders(jaxpr: Any) -> dict[Order, Order]:
     return {s: o for s, o in found.items() if s not in clash}
 
 
-@contextlib.contextmanager
-def reduction_orders(orders: Mapping[Order, Order]) -> Iterator[None]:
+def reduction_orders(orders: Mapping[Order, Order]) -> contextlib.AbstractContextManager[None]:
     """While differentiating: the gathers' backward reads :func:`order_of` from ``orders``."""
-    token = _ORDERS.set(orders)
-    try:
-        yield
-    finally:
-        _ORDERS.reset(token)
+    return scoped(_ORDERS, orders)
 
 
 def order_of(sizes: Order) -> Order | None:
@@ -83,12 +79,12 @@ def _gathers(jaxpr: Any) -> Iterator[tuple[list, int]]:
             yield from _gathers(sub)
 
 
-def _first_use(eqns: list, k: int, var: Any) -> tuple[float, ...]:
-    """Where ``var`` (an output of ``eqns[k]``) is first read by an op that is not
+def _first_use(eqns: list, start: int, var: Any) -> tuple[float, ...]:
+    """Where ``var`` is first read, from ``eqns[start]`` on, by an op that is not
     :data:`_PASS`: its equation's index, and inside a called program that
     program's own position; ``(inf,)`` when nothing reads it."""
     seen = {var}
-    for j in range(k + 1, len(eqns)):
+    for j in range(start, len(eqns)):
         e = eqns[j]
         hit = [i for i, v in enumerate(e.invars) if isinstance(v, jcore.Var) and v in seen]
         if not hit:
@@ -98,22 +94,10 @@ def _first_use(eqns: list, k: int, var: Any) -> tuple[float, ...]:
             continue
         subs = list(subjaxprs(e))
         if len(subs) == 1 and len(subs[0].invars) == len(e.invars):
-            inner = min(_first_use_of(subs[0], subs[0].invars[i]) for i in hit)
+            inner = min(_first_use(subs[0].eqns, 0, subs[0].invars[i]) for i in hit)
             return (j, *inner)
         return (j,)
     return (math.inf,)
-
-
-def _first_use_of(jaxpr: Any, var: Any) -> tuple[float, ...]:
-    """:func:`_first_use` of one of ``jaxpr``'s inputs."""
-    return _first_use([_Source(var)] + list(jaxpr.eqns), 0, var)
-
-
-class _Source:
-    """A stand-in equation that produces a program's input."""
-
-    def __init__(self, var: Any):
-        self.outvars = [var]
 
 
 def _desc(pos: tuple[float, ...]) -> tuple[float, ...]:

@@ -39,13 +39,8 @@ class _Bucketed:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "bucket_size", check_bucket_size(self.bucket_size))
-        # None: DDP reduces each gradient in its own dtype; ZeRO's optimizer math runs
-        # in ``reduce_dtype``, which must then be one.
-        check_float_dtype(
-            self.reduce_dtype,
-            f"{type(self).__name__}.reduce_dtype",
-            allow_none=self.name == "ddp",
-        )
+        # None: each gradient reduced in its own dtype (DDP; ZeRO requires a dtype)
+        check_float_dtype(self.reduce_dtype, f"{type(self).__name__}.reduce_dtype", allow_none=True)
         check_rules(self.rules)
         det = check_deterministic(self.deterministic, f"{type(self).__name__}.deterministic")
         object.__setattr__(self, "deterministic", det)
@@ -132,6 +127,8 @@ class ZeRO(_Bucketed):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        # the optimizer's math runs in ``reduce_dtype``: None names no dtype here
+        check_float_dtype(self.reduce_dtype, "ZeRO.reduce_dtype")
         check_bool(self.reshard_after_forward, "ZeRO.reshard_after_forward")
 
 

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
+
+from ..core.scoped import scoped
 
 #: The name of every gathered layer (FSDP's, and ZeRO's gathered in the forward), so
 #: a remat policy can keep them: ``save_only_these_names(GATHERED)``.
@@ -58,14 +60,9 @@ TRACE_VIEWS: contextvars.ContextVar[dict[int, Any] | None] = contextvars.Context
 )
 
 
-@contextlib.contextmanager
-def trace_views() -> Iterator[None]:
+def trace_views() -> contextlib.AbstractContextManager[None]:
     """Scopes the views that module merges register to one traced loss call."""
-    token = TRACE_VIEWS.set({})
-    try:
-        yield
-    finally:
-        TRACE_VIEWS.reset(token)
+    return scoped(TRACE_VIEWS, {})
 
 
 def call_with_views(
