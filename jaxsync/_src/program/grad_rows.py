@@ -1,0 +1,362 @@
+"""The backward loop writes each layer's gradient into its dead activation row.
+
+A scanned model's backward loop reads the layer inputs the forward saved, one row of
+a ``[L, ...]`` stack per layer, and writes each layer's reduced gradient into a stack
+of its own, ``[L, ...]`` too. Row ``l`` of the inputs is dead once layer ``l``'s
+backward has read it, and row ``l`` of the gradients is written then; yet XLA holds
+both stacks whole through the loop, at the step's peak: on the Llama-style 1.1B of
+``bench_gpu`` under FSDP (8 x H100), 704 MiB of bf16 inputs beside 473 MiB of fp32
+reduced shards.
+
+:func:`grads_in_activation_rows` rewrites the backward loop to carry the input stack
+and to write each layer's gradient, bit for bit, into a row already read. XLA's
+collective pipeliner would then no longer move the layer's reduce-scatter into the
+next iteration (it does so only for a result written into a buffer the loop does not
+read: 8 x H100, FSDP 142.6 -> 151.7 ms on XLA's timeline), so the rewrite pipelines
+it itself: the loop body is split at its last reductions, and each iteration reduces
+the layer before's gradient (the "tail", carried as its inputs) while it computes its
+own layer. The result is written one iteration later, into the row read two
+iterations before: XLA runs two iterations to a trip, and a write of the first's own
+reduction would hold the second's read of the stack, and so its whole layer, until
+that reduction is done (64 x H100, GPT 6.7B ZeRO: 92.5% -> 90.0% of the
+communication bound; written late, 92.3%). The backward's first layer runs before the
+loop, the last two writes after it, where the gradients are read out of the stack
+before anything else may run, so the stack dies there; the last reduction waits for
+the loop's, which XLA would otherwise merge into one, exposed, after the loop.
+
+Applied where the result is exact and the loop is the data-parallel one:
+
+- a stack is reused only where the loop is its sole reader, a gradient only where its
+  row fits in what is left of a row (the bits are copied, never converted);
+- a loop of fewer than :data:`MIN_LAYERS` layers is left alone;
+- a loop whose other collectives run over axes its gradient's reductions do not,
+  or that runs on a mesh axis the compiler partitions (tensor-parallel layers), is left
+  alone: there, on a data 4 x model 2 mesh, the rewritten step took 40% longer on
+  XLA's timeline (ZeRO 106.3 -> 148.8 ms, FSDP 112.0 -> 152.5).
+
+``bench_gpu``'s Llama-style models (args + temps per GPU; share of the communication
+bound on XLA's timeline): 8 x H100, 1.1B, FSDP 5314 -> 4883 MiB (100% -> 98.9%), ZeRO
+5715 -> 5284 (100% -> 99.4%), DDP 17056 -> 16814; 64 x H100, 7.2B, FSDP 7104 -> 6733
+(93.4% -> 94.7%), ZeRO 7452 -> 6833 (96.1% -> 96.0%). See ``docs/gpu.md`` for the GPT,
+two hosts and the held-out shapes.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.extend import core as jcore
+
+from ..core.axes import aval_varying_axes, normalize_axes
+from ..core.jaxpr_compat import REMAT, scan_num_carry, scan_num_consts
+
+_SCAN = jcore.primitives.scan_p
+#: Collectives, each with the mesh axes it runs over (``axes`` or ``axis_name``).
+_COLLECTIVES = {"reduce_scatter", "all_to_all", "psum", "psum_invariant", "all_gather",
+                "ppermute", "pmax", "pmin"}  # fmt: skip
+#: Calls inlined before the body is split (a remat's only if it keeps no CSE barrier).
+_CALLS = {"closed_call", "pjit", "jit", "core_call"}
+#: The fewest layers rewritten. XLA unrolls a loop of 3 trips whole (it runs loops two
+#: iterations to a trip, and peels an odd one), so 4 layers would run their backwards
+#: side by side, with both layers' temporaries live (2 x H100, ZeRO, a 4-layer
+#: Llama-style step with 16 MiB attention scores: 161 -> 170 MiB), for a gradient stack
+#: of 4 shards saved.
+MIN_LAYERS = 5
+
+
+def grads_in_activation_rows(closed: Any) -> Any:
+    """``closed`` with its first backward loop's stacked results written into the rows
+    of the input stacks that loop alone reads (see the module); ``closed`` itself where
+    none fits, or where the loop runs collectives over other axes."""
+    jaxpr = closed.jaxpr
+    at = next((i for i, e in enumerate(jaxpr.eqns)
+               if e.primitive is _SCAN and e.params["reverse"]), None)  # fmt: skip
+    if at is None or _partitioned_axes():
+        return closed
+    loop = jaxpr.eqns[at]
+    if loop.params["length"] < MIN_LAYERS:
+        return closed
+    if not isinstance(loop.params["jaxpr"], jcore.ClosedJaxpr) or any(
+        type(f).__name__ != "NamedAxisEffect" for f in loop.effects
+    ):
+        return closed
+    places = _places(jaxpr, loop)
+    if not places:
+        return closed
+    body = _inlined(loop.params["jaxpr"])
+    head, tail, front = _split(body.jaxpr, scan_num_consts(loop), scan_num_carry(loop), places)
+    if not _one_kind(head, tail):
+        return closed
+    avals = [v.aval for v in loop.invars]
+    parts = (body, head, tail, front)
+    new = jax.make_jaxpr(lambda *ops: _loop(loop, places, parts, ops))(*avals)
+    call = jcore.new_jaxpr_eqn(
+        list(loop.invars), list(loop.outvars), jcore.primitives.closed_call_p,
+        {"call_jaxpr": new}, new.effects, loop.source_info,
+    )  # fmt: skip
+    eqns = [*jaxpr.eqns[:at], call, *jaxpr.eqns[at + 1 :]]
+    return jcore.ClosedJaxpr(jaxpr.replace(eqns=eqns), closed.consts)
+
+
+def _partitioned_axes() -> tuple[str, ...]:
+    """The axes of the mesh being traced that the compiler partitions (not manual) and
+    that have more than one device: a tensor-parallel split, whose collectives XLA
+    inserts into the layer where no jaxpr shows them."""
+    mesh = jax.sharding.get_abstract_mesh()
+    manual = getattr(mesh, "manual_axes", ())
+    return tuple(a for a in mesh.axis_names if a not in manual and mesh.shape[a] > 1)
+
+
+def _places(jaxpr: Any, loop: Any) -> dict[int, tuple[int, int]]:
+    """For each stacked result written into an input row (by its index among the loop's
+    ``ys``): the input stack's index among its ``xs``, and the offset there (in that
+    stack's elements). Largest results first, each into the stack with most room."""
+    nc, ncar = scan_num_consts(loop), scan_num_carry(loop)
+    length = loop.params["length"]
+    uses: dict[Any, int] = {}
+    for v in [*(v for e in jaxpr.eqns for v in e.invars), *jaxpr.outvars]:
+        if isinstance(v, jcore.Var):
+            uses[v] = uses.get(v, 0) + 1
+    xs = loop.invars[nc + ncar :]
+    room = {k: _row(v.aval) * v.aval.dtype.itemsize for k, v in enumerate(xs)
+            if isinstance(v, jcore.Var) and uses.get(v) == 1 and _stacked(v.aval, length)
+            and v.aval.ndim >= 2}  # fmt: skip
+    ys = [(j, v.aval) for j, v in enumerate(loop.outvars[ncar:])
+          if not isinstance(v, jcore.DropVar) and _stacked(v.aval, length)]  # fmt: skip
+    used = dict.fromkeys(room, 0)
+    places = {}
+    for j, a in sorted(ys, key=lambda t: -_row(t[1]) * t[1].dtype.itemsize):
+        for k in sorted(room, key=lambda k: used[k] - room[k]):
+            s = xs[k].aval
+            need = _elements(a, s.dtype)
+            fits = (used[k] + need) * s.dtype.itemsize <= room[k]
+            if fits and aval_varying_axes(a) == aval_varying_axes(s):
+                places[j] = (k, used[k])
+                used[k] += need
+                break
+    return places
+
+
+def _stacked(a: Any, length: int) -> bool:
+    return a.ndim >= 1 and a.shape[0] == length and jnp.issubdtype(a.dtype, jnp.floating)
+
+
+def _row(a: Any) -> int:
+    return math.prod(a.shape[1:])
+
+
+def _elements(a: Any, dtype: Any) -> int:
+    """How many elements of ``dtype`` hold one row of ``a``."""
+    return -(-_row(a) * a.dtype.itemsize // jnp.dtype(dtype).itemsize)
+
+
+def _to_bits(y: jax.Array, dtype: Any) -> jax.Array:
+    """``y`` flattened, its bits as ``dtype`` elements (padded to whole elements)."""
+    y = y.reshape(-1)
+    src, dst = y.dtype.itemsize, jnp.dtype(dtype).itemsize
+    if src >= dst:
+        return jax.lax.bitcast_convert_type(y, dtype).reshape(-1)
+    r = dst // src
+    y = jnp.pad(y, (0, -y.size % r))
+    return jax.lax.bitcast_convert_type(y.reshape(-1, r), dtype)
+
+
+def _from_bits(bits: jax.Array, aval: Any) -> jax.Array:
+    """The ``[L, ...]`` stack of ``aval`` whose rows' bits are ``bits`` ``[L, n]``."""
+    length = bits.shape[0]
+    src, dst = bits.dtype.itemsize, aval.dtype.itemsize
+    if src == dst:
+        out = jax.lax.bitcast_convert_type(bits, aval.dtype)
+    elif src > dst:
+        out = jax.lax.bitcast_convert_type(bits, aval.dtype).reshape(length, -1)
+    else:
+        out = jax.lax.bitcast_convert_type(bits.reshape(length, -1, dst // src), aval.dtype)
+    return out[:, : _row(aval)].reshape(aval.shape)
+
+
+def _inlined(inner: Any) -> Any:
+    """``inner`` (a closed jaxpr) retraced with its calls inlined, recursively: a
+    layer's reductions, inside its remat, become equations of the body itself."""
+    jaxpr = inner.jaxpr
+
+    def run(*args: Any) -> list:
+        env = dict(zip(jaxpr.constvars, inner.consts, strict=True))
+        env.update(zip(jaxpr.invars, args, strict=True))
+        return _run(jaxpr.eqns, env, jaxpr.outvars)
+
+    return jax.make_jaxpr(run)(*[v.aval for v in jaxpr.invars])
+
+
+def _run(eqns: list, env: dict, outvars: list) -> list:
+    """``outvars``' values, evaluating ``eqns`` on ``env`` (values by variable), calls
+    inlined (a remat's only where it keeps no CSE barrier)."""
+
+    def read(v: Any) -> Any:
+        return env[v] if isinstance(v, jcore.Var) else v.val
+
+    for e in eqns:
+        ins = [read(v) for v in e.invars]
+        name = e.primitive.name
+        if name in _CALLS or (name in REMAT and not e.params.get("prevent_cse")):
+            sub = e.params.get("call_jaxpr", e.params.get("jaxpr"))
+            closed = isinstance(sub, jcore.ClosedJaxpr)
+            sub_jaxpr = sub.jaxpr if closed else sub
+            inner_env = dict(zip(sub_jaxpr.constvars, sub.consts if closed else (), strict=True))
+            inner_env.update(zip(sub_jaxpr.invars, ins, strict=True))
+            outs = _run(sub_jaxpr.eqns, inner_env, sub_jaxpr.outvars)
+        else:
+            params = e.primitive.get_bind_params(e.params)
+            if isinstance(params, tuple):  # older JAX: (subfuns, params)
+                outs = e.primitive.bind(*params[0], *ins, **params[1])
+            else:
+                outs = e.primitive.bind(*ins, **params)
+            outs = outs if e.primitive.multiple_results else [outs]
+        for v, x in zip(e.outvars, outs, strict=True):
+            if not isinstance(v, jcore.DropVar):
+                env[v] = x
+    return [read(v) for v in outvars]
+
+
+def _axes(e: Any) -> tuple:
+    return tuple(normalize_axes(e.params.get("axes", e.params.get("axis_name", ()))))
+
+
+def _split(body: Any, nc: int, ncar: int, places: dict) -> tuple[list, list, list]:
+    """The body's equations in two, and what passes between them: the tail makes the
+    placed results from their last reductions on (a reduction that another one waits
+    for, a first half, stays in the head); the front is what the tail reads from the
+    head or the body's operands (the loop constants excepted), carried to the next
+    iteration."""
+    ys = body.outvars[ncar:]
+    target = [ys[j] for j in places]
+    made = {v: e for e in body.eqns for v in e.outvars}
+
+    def upstream(seeds: list) -> set:
+        seen: set = set()
+        todo = [v for v in seeds if isinstance(v, jcore.Var)]
+        while todo:
+            v = todo.pop()
+            if v not in seen:
+                seen.add(v)
+                if v in made:
+                    todo.extend(x for x in made[v].invars if isinstance(x, jcore.Var))
+        return seen
+
+    others = upstream([v for k, v in enumerate(body.outvars) if k < ncar or k - ncar not in places])
+    mine = upstream(target) - others
+    ours = [e for e in body.eqns
+            if e.primitive.name in _COLLECTIVES and any(v in mine for v in e.outvars)]  # fmt: skip
+    waited = set()
+    for e in ours:
+        reach = set(e.outvars)
+        for f in body.eqns[body.eqns.index(e) + 1 :]:
+            if any(isinstance(v, jcore.Var) and v in reach for v in f.invars):
+                reach.update(f.outvars)
+                if f in ours:
+                    waited.add(id(e))
+    tail, made_by_tail = [], set()
+    for e in body.eqns:
+        if any(v in mine for v in e.outvars) and (
+            (e in ours and id(e) not in waited)
+            or any(isinstance(v, jcore.Var) and v in made_by_tail for v in e.invars)
+        ):
+            tail.append(e)
+            made_by_tail.update(e.outvars)
+    head = [e for e in body.eqns if e not in tail]
+    fixed = set(body.constvars) | set(body.invars[:nc])
+    front: list = []
+    for v in [*(v for e in tail for v in e.invars), *target]:
+        if isinstance(v, jcore.Var) and v not in made_by_tail and v not in fixed and v not in front:
+            front.append(v)
+    return head, tail, front
+
+
+def _one_kind(head: list, tail: list) -> bool:
+    """Whether every collective the loop runs is over axes its last reductions use."""
+    axes = {a for e in tail if e.primitive.name in _COLLECTIVES for a in _axes(e)}
+    return all(set(_axes(e)) <= axes for e in head if e.primitive.name in _COLLECTIVES)
+
+
+def _loop(loop: Any, places: dict, parts: tuple, ops: tuple) -> list:
+    """The rewritten loop, on the loop's operands ``ops``: its results, in its order."""
+    body, head, tail, front = parts
+    nc, ncar = scan_num_consts(loop), scan_num_carry(loop)
+    length = loop.params["length"]
+    jaxpr, consts_in = body.jaxpr, body.consts
+    consts, carry, xs = ops[:nc], list(ops[nc : nc + ncar]), list(ops[nc + ncar :])
+    stacks = sorted({k for k, _ in places.values()})
+    ys = jaxpr.outvars[ncar:]
+    nk = len(ys) - len(places)
+    kept_ys = [v for j, v in enumerate(ys) if j not in places]
+    fixed = dict(zip(jaxpr.constvars, consts_in, strict=True))
+    fixed.update(zip(jaxpr.invars[:nc], consts, strict=True))
+
+    def head_of(state: list, rows: list) -> tuple:
+        env = {**fixed, **dict(zip(jaxpr.invars[nc:], [*state, *rows], strict=True))}
+        out = _run(head, env, [*jaxpr.outvars[:ncar], *kept_ys, *front])
+        return out[:ncar], out[ncar : ncar + nk], tuple(out[ncar + nk :])
+
+    def tail_of(vals: tuple) -> list:
+        env = {**fixed, **dict(zip(front, vals, strict=True))}
+        return _run(tail, env, [ys[j] for j in places])
+
+    def rows_at(held: tuple, i: Any) -> tuple[list, dict]:
+        # the reused stacks' rows behind a barrier: the write that follows them then
+        # needs no copy of the stack
+        read = {k: jax.lax.dynamic_index_in_dim(held[stacks.index(k)], i, keepdims=False)
+                for k in stacks}  # fmt: skip
+        read = jax.lax.optimization_barrier(read)
+        rows = [read[k].reshape(xs[k].shape[1:]) if k in read
+                else jax.lax.dynamic_index_in_dim(xs[k], i, keepdims=False)
+                for k in range(len(xs))]  # fmt: skip
+        return rows, read
+
+    def step(c: tuple, i: Any) -> tuple:
+        state, held, vals, pending = c
+        rows, read = rows_at(held, i)
+        # the row two layers on is written with the gradient the iteration before
+        # reduced: a write of this iteration's own reduction would keep the next
+        # iteration's read of the stack (XLA runs two to a trip) waiting on it. The
+        # first iteration writes zeros into the peeled layer's row, overwritten next.
+        pending, _ = jax.lax.optimization_barrier((pending, read))
+        held = list(held)
+        for b, (k, at) in zip(pending, places.values(), strict=True):
+            held[stacks.index(k)] = jax.lax.dynamic_update_slice(
+                held[stacks.index(k)], b[None], (jnp.minimum(i + 2, length - 1), at)
+            )
+        # the layer after's gradient (its inputs carried from the iteration before),
+        # reduced while this layer computes
+        pending = bits_of(tail_of(vals))
+        state, kept, vals = head_of(state, rows)
+        return (state, tuple(held), vals, pending), kept
+
+    def bits_of(grads: list) -> list:
+        return [_to_bits(y, held[stacks.index(k)].dtype)
+                for y, (k, _) in zip(grads, places.values(), strict=True)]  # fmt: skip
+
+    held = tuple(xs[k].reshape(length, -1) for k in stacks)
+    rows, _ = rows_at(held, length - 1)  # the backward's first layer, before the loop
+    carry, last, vals = head_of(carry, rows)
+    pending = [jnp.zeros_like(b) for b in jax.eval_shape(lambda v: bits_of(tail_of(v)), vals)]
+    (carry, held, vals, pending), kept = jax.lax.scan(
+        step, (carry, held, vals, pending), jnp.arange(length - 1, dtype=jnp.int32), reverse=True
+    )
+    # the gradients read out of the stack before anything after the loop may run (so
+    # the stack dies there); row 1's is the one the last iteration reduced, row 0's,
+    # the backward's last layer, is reduced after the loop
+    out = []
+    for j, (k, at) in places.items():
+        aval = loop.outvars[ncar + j].aval
+        n = _elements(aval, held[stacks.index(k)].dtype)
+        out.append(_from_bits(held[stacks.index(k)][:, at : at + n], aval))
+    carry, out, vals, pending = jax.lax.optimization_barrier((carry, out, vals, pending))
+    ones = [_from_bits(b[None], jax.ShapeDtypeStruct((1, *o.shape[1:]), o.dtype))[0]
+            for b, o in zip(pending, out, strict=True)]  # fmt: skip
+    out = [o.at[1].set(p).at[0].set(y)
+           for o, p, y in zip(out, ones, tail_of(vals), strict=True)]  # fmt: skip
+    kept = [jnp.concatenate([k, x[None]]) for k, x in zip(kept, last, strict=True)]
+    results = [out[list(places).index(j)] if j in places else kept.pop(0) for j in range(len(ys))]
+    return [*carry, *results]

@@ -1,0 +1,194 @@
+"""Gradients written into the backward loop's dead input rows (``program/grad_rows.py``).
+
+The rewrite frees the stack of reduced gradients a scanned model's backward loop
+fills, by writing each layer's gradient into the row of saved layer inputs it has
+just read, and reduces each layer's gradient during the next layer. These tests hold
+it to the exact values of the program it rewrites (bit for bit, and a step's params
+against the step without it), to its structure (no stacked gradient leaves the loop),
+to the cases it leaves alone, and to the memory it frees on a compiled H100 step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from conftest import require_devices
+from helpers import lowered_llama_step, place_by_specs
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
+
+import jaxsync
+from jaxsync._src.core.jaxpr_compat import scan_num_carry
+from jaxsync._src.program import grad_program
+from jaxsync._src.program.grad_rows import MIN_LAYERS, grads_in_activation_rows
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
+import llama  # noqa: E402
+
+D, L = 16, 6
+
+
+def _loss(params, x):
+    def body(h, w):
+        return jnp.tanh(h @ w) + h, None
+
+    h, _ = jax.lax.scan(jax.checkpoint(body, prevent_cse=False), x, params)
+    return jnp.mean(h**2)
+
+
+def _program(tokens, layers=L):
+    k = jax.random.split(jax.random.key(0), 2)
+    params = 0.3 * jax.random.normal(k[0], (layers, D, D))
+    x = jax.random.normal(k[1], (tokens, D))
+    return jax.make_jaxpr(jax.value_and_grad(_loss))(params, x), (params, x)
+
+
+def _stacked_outputs(closed):
+    """The shapes of the stacked results every backward loop of ``closed`` hands out."""
+    found = []
+    for e in closed.jaxpr.eqns:
+        if e.primitive.name == "closed_call":
+            found += _stacked_outputs(e.params["call_jaxpr"])
+        if e.primitive.name == "scan" and e.params["reverse"]:
+            found += [tuple(v.aval.shape) for v in e.outvars[scan_num_carry(e) :]]
+    return found
+
+
+def test_the_gradient_stack_no_longer_leaves_the_backward_loop_and_values_are_exact():
+    closed, args = _program(tokens=64)  # a row of inputs: 64 x 16 floats; of grads: 16 x 16
+    assert (L, D, D) in _stacked_outputs(closed)
+    rows = grads_in_activation_rows(closed)
+    assert rows is not closed
+    assert not any(s[1:] == (D, D) for s in _stacked_outputs(rows))
+    want = jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *args)
+    got = jax.core.eval_jaxpr(rows.jaxpr, rows.consts, *args)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
+def test_a_gradient_larger_than_a_row_of_inputs_is_left_alone():
+    closed, _ = _program(tokens=4)  # a row of inputs, 4 x 16 floats, cannot hold 16 x 16
+    assert grads_in_activation_rows(closed) is closed
+
+
+def test_a_loop_of_fewer_layers_than_xla_keeps_as_a_loop_is_left_alone():
+    closed, _ = _program(tokens=64, layers=MIN_LAYERS)
+    assert grads_in_activation_rows(closed) is not closed
+    closed, _ = _program(tokens=64, layers=MIN_LAYERS - 1)
+    assert grads_in_activation_rows(closed) is closed
+
+
+def test_a_program_without_a_backward_loop_is_left_alone():
+    closed = jax.make_jaxpr(jax.grad(lambda w, x: jnp.sum(jnp.tanh(x @ w))))(
+        jnp.ones((D, D)), jnp.ones((4, D))
+    )
+    assert grads_in_activation_rows(closed) is closed
+
+
+def _scanned_step(mesh, mode, tx, rewrite: bool, monkeypatch, **kw):
+    """Two steps of the benchmark's scanned Llama (6 layers of width 64, fp32) on
+    ``mesh``, 256 tokens per device (a row of inputs holds a layer's gradient shard):
+    the params, one-device optax's, the step, its last state and batch, and whether the
+    rewrite changed the program (``kw``: ``train_step``'s)."""
+    cfg = llama.Config(vocab=512, seq=128, d_model=64, heads=4, kv_heads=2, ffn=128, layers=6,
+                       batch_per_device=2)  # fmt: skip
+    loss = partial(llama.scanned_loss, heads=cfg.heads, kv_heads=cfg.kv_heads, dtype=jnp.float32)
+    toks = jax.random.randint(jax.random.key(1), (2, 2 * mesh.size, cfg.seq + 1), 0, cfg.vocab)
+    applied = []
+
+    def spy(closed):
+        out = grads_in_activation_rows(closed) if rewrite else closed
+        applied.append(out is not closed)
+        return out
+
+    with monkeypatch.context() as m:
+        m.setattr(grad_program, "grads_in_activation_rows", spy)
+        step = jaxsync.train_step(loss, tx, mesh, mode, stacked="blocks", **kw)
+        state = step.init(llama.device_params(cfg))
+        for b in toks:
+            state, _ = step(state, b)
+    ref, opt = llama.device_params(cfg), tx.init(llama.device_params(cfg))
+    for b in toks:
+        u, opt = tx.update(jax.grad(loss)(ref, b), opt, ref)
+        ref = optax.apply_updates(ref, u)
+    return step.params(state), ref, (step, state, toks[-1]), any(applied)
+
+
+@pytest.mark.parametrize("mode, kw", [("fsdp", {}), ("zero", {"microbatches": 2}), ("ddp", {})])
+def test_steps_are_the_steps_without_the_rewrite_and_match_optax(mesh8, monkeypatch, mode, kw):
+    """Each layer's gradient is reduced in the next layer's iteration now, and written
+    into a dead row: the same operations on the same values (XLA may fuse a norm's sum
+    otherwise: one ulp), and the params match plain optax on one device (SGD, which
+    sees a gradient's scale). A gradient read from the wrong row would be off by its
+    whole size. In the compiled program the loop runs ``L - 1`` times with each layer's
+    reduction inside it: the rewrite's pipelining survives XLA."""
+    tx = optax.sgd(0.5)
+    got, ref, run, applied = _scanned_step(mesh8, mode, tx, True, monkeypatch, **kw)
+    base, _, _, _ = _scanned_step(mesh8, mode, tx, False, monkeypatch, **kw)
+    assert applied
+    for g, b in zip(jax.tree.leaves(got), jax.tree.leaves(base), strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(b), rtol=1e-6, atol=1e-7)
+    for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(ref), strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=2e-5, atol=2e-6)
+    step, state, batch = run
+    report = jaxsync.overlap_report(step.lower(state, batch).compile())
+    in_loop = report.in_loop(kind="reduce-scatter", role="backward")
+    assert in_loop and {c.trip_count for c in in_loop} == {5}, report
+
+
+def test_a_two_d_step_is_left_alone(monkeypatch):
+    """On a mesh whose "model" axis the compiler partitions, the loop waits on
+    collectives no jaxpr shows; the rewrite is not applied there."""
+    require_devices(8)
+    mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+    seen = []
+
+    def spy(closed):
+        out = grads_in_activation_rows(closed)
+        seen.append(out is closed)
+        return out
+
+    monkeypatch.setattr(grad_program, "grads_in_activation_rows", spy)
+    params = {"blocks": jnp.ones((L, D, D)) * 0.1}
+    spec = {"blocks": P(None, None, "model")}
+
+    def loss(p, x):
+        def body(h, w):
+            return jnp.tanh(h @ jaxsync.tap(w)) + h, None
+
+        h, _ = jax.lax.scan(jax.checkpoint(body, prevent_cse=False), x, p["blocks"])
+        return jnp.mean(h**2)
+
+    step = jaxsync.train_step(loss, optax.sgd(0.1), mesh, "zero", stacked="blocks")
+    step(step.init(place_by_specs(mesh, params, spec)), jnp.ones((8 * 8, D)))
+    assert seen and all(seen)
+
+
+def test_an_fsdp_step_for_h100s_no_longer_holds_the_gradient_stack(monkeypatch):
+    """Compiled for 8 x H100 (no GPU needed), with rows of layer inputs (4 x 512 tokens
+    of 512 bf16) larger than a layer's gradient shard (fp32), the step holds at least
+    half the stack of reduced gradients less (the rest is what each layer's reduction
+    carries into the next iteration)."""
+    mesh = jaxsync.gpu_topology("h100", hosts=1, gpus_per_host=8)
+    policy = jaxsync.FSDP(policy=jaxsync.MixedPrecision(jnp.bfloat16))
+    cfg = dataclasses.replace(llama.SIZES["quick"], batch_per_device=4, layers=6)
+
+    def held() -> float:
+        stats = lowered_llama_step(mesh, policy, size=cfg).compile().memory_analysis()
+        return stats.argument_size_in_bytes + stats.temp_size_in_bytes
+
+    rows = held()
+    monkeypatch.setattr(grad_program, "grads_in_activation_rows", lambda closed: closed)
+    stack = held()
+    shapes = jax.eval_shape(lambda: llama.device_params(cfg))
+    block = sum(x.size for x in jax.tree.leaves(shapes["blocks"]))  # all layers' params
+    grads = block / mesh.size * 4  # the fp32 shards of every layer's gradient
+    assert stack - rows >= grads / 2, (stack / 2**20, rows / 2**20, grads / 2**20)
