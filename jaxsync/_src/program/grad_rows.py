@@ -52,6 +52,7 @@ from jax.extend import core as jcore
 
 from ..core.axes import aval_varying_axes, normalize_axes
 from ..core.jaxpr_compat import REMAT, scan_num_carry, scan_num_consts
+from .reach import downstream, upstream
 
 _SCAN = jcore.primitives.scan_p
 #: Collectives, each with the mesh axes it runs over (``axes`` or ``axis_name``).
@@ -234,29 +235,17 @@ def _split(body: Any, nc: int, ncar: int, places: dict) -> tuple[list, list, lis
     target = [ys[j] for j in places]
     made = {v: e for e in body.eqns for v in e.outvars}
 
-    def upstream(seeds: list) -> set:
-        seen: set = set()
-        todo = [v for v in seeds if isinstance(v, jcore.Var)]
-        while todo:
-            v = todo.pop()
-            if v not in seen:
-                seen.add(v)
-                if v in made:
-                    todo.extend(x for x in made[v].invars if isinstance(x, jcore.Var))
-        return seen
-
-    others = upstream([v for k, v in enumerate(body.outvars) if k < ncar or k - ncar not in places])
-    mine = upstream(target) - others
+    others = upstream(made, [v for k, v in enumerate(body.outvars)
+                             if k < ncar or k - ncar not in places])  # fmt: skip
+    mine = upstream(made, target) - others
     ours = [e for e in body.eqns
             if e.primitive.name in _COLLECTIVES and any(v in mine for v in e.outvars)]  # fmt: skip
     waited = set()
-    for e in ours:
-        reach = set(e.outvars)
-        for f in body.eqns[body.eqns.index(e) + 1 :]:
-            if any(isinstance(v, jcore.Var) and v in reach for v in f.invars):
-                reach.update(f.outvars)
-                if f in ours:
-                    waited.add(id(e))
+    for at, e in enumerate(body.eqns):
+        if e in ours:
+            later = downstream(body.eqns[at + 1 :], e.outvars, strict=True)
+            if any(v in later for f in ours for v in f.outvars):
+                waited.add(id(e))
     tail, made_by_tail = [], set()
     for e in body.eqns:
         if any(v in mine for v in e.outvars) and (

@@ -42,6 +42,7 @@ from jax.extend import core as jcore
 from ..core.axes import aval_varying_axes, normalize_axes
 from ..core.hosts import in_one_host
 from ..core.jaxpr_compat import barrier_eqn, scan_num_carry, scan_num_consts
+from .reach import downstream, upstream
 from .sink import RETYPES
 
 _SCAN = jcore.primitives.scan_p
@@ -66,9 +67,9 @@ def ready_first(closed: Any) -> Any:
         return closed
     loop = jaxpr.eqns[at]
     made = {v: e for e in jaxpr.eqns for v in e.outvars}
-    after = _downstream(jaxpr, loop.outvars)  # what waits for the loop
-    candidates = _ready_gradients(jaxpr, made, after, _feeding(made, loop))
-    derived = _downstream(jaxpr, candidates, strict=True)
+    after = downstream(jaxpr.eqns, loop.outvars)  # what waits for the loop
+    candidates = _ready_gradients(jaxpr, made, after, upstream(made, loop.invars))
+    derived = downstream(jaxpr.eqns, candidates, strict=True)
     ready = [v for v in candidates if v not in derived]
     invars, barriers, swap = list(loop.invars), [], {}
     for k, group in _ties(loop, ready):
@@ -79,7 +80,7 @@ def ready_first(closed: Any) -> Any:
     if not barriers:
         return closed
     # after the barriers: the loop, what reads its results, and what reads a tied value
-    waits = _downstream(jaxpr, [*after, *swap])
+    waits = downstream(jaxpr.eqns, [*after, *swap])
     late = [e is loop or any(isinstance(v, jcore.Var) and v in waits for v in e.invars)
             for e in jaxpr.eqns]  # fmt: skip
     before = [e for e, x in zip(jaxpr.eqns, late, strict=True) if not x]
@@ -113,7 +114,7 @@ def recompute_late(closed: Any) -> Any:
     loop = jaxpr.eqns[at]
     forward = [v for e in jaxpr.eqns[:at]
                if e.primitive is _SCAN and not e.params["reverse"] for v in e.outvars]  # fmt: skip
-    computed = _downstream(jaxpr, forward)
+    computed = downstream(jaxpr.eqns, forward)
     first = scan_num_consts(loop)
     carried = range(first, first + scan_num_carry(loop))
     invars = list(loop.invars)
@@ -171,33 +172,6 @@ def _ties(loop: Any, ready: list) -> list[tuple[int, list]]:
 
 def _vma(v: Any) -> frozenset:
     return aval_varying_axes(v.aval)
-
-
-def _downstream(jaxpr: Any, seeds: Any, strict: bool = False) -> set:
-    """Every value computed from ``seeds`` (the seeds too, unless ``strict``): a value
-    tied before the loop must not be computed from another tied one (a barrier holds
-    values made before it), and what reads a tied value runs after the barrier."""
-    seeds = set(seeds)
-    found = set() if strict else set(seeds)
-    for e in jaxpr.eqns:
-        if any(isinstance(v, jcore.Var) and (v in found or v in seeds) for v in e.invars):
-            found.update(e.outvars)
-    return found
-
-
-def _feeding(made: dict, loop: Any) -> set:
-    """Every value the loop's operands are computed from (a value tied to the loop's
-    input must not be one: the barrier would wait for itself)."""
-    seen: set = set()
-    todo = [v for v in loop.invars if isinstance(v, jcore.Var)]
-    while todo:
-        v = todo.pop()
-        if v in seen:
-            continue
-        seen.add(v)
-        if v in made:
-            todo.extend(x for x in made[v].invars if isinstance(x, jcore.Var))
-    return seen
 
 
 def _ready_gradients(jaxpr: Any, made: dict, after: set, feeding: set) -> list:
