@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from functools import partial
 
 import jax
@@ -288,3 +289,25 @@ def lowered_llama_step(mesh, mode, *, param_dtype=None, size="quick"):
         shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, param_dtype), shapes)
     tokens = jax.ShapeDtypeStruct((mesh.size * cfg.batch_per_device, cfg.seq + 1), jnp.int32)
     return step.lower(step.abstract_state(shapes), tokens)
+
+
+@contextlib.contextmanager
+def backward_rows_seen():
+    """Within it, a list that records, for each gradient the library takes, whether
+    ``program/grad_rows.py`` rewrote its backward loop: then the loop runs ``L - 1``
+    times and the backward's last layer is reduced after it; else ``L`` times."""
+    from jaxsync._src.program import grad_program
+
+    seen: list[bool] = []
+    real = grad_program.grads_in_activation_rows
+
+    def spy(closed):
+        out = real(closed)
+        seen.append(out is not closed)
+        return out
+
+    grad_program.grads_in_activation_rows = spy
+    try:
+        yield seen
+    finally:
+        grad_program.grads_in_activation_rows = real

@@ -10,6 +10,7 @@ to the cases it leaves alone, and to the memory it frees on a compiled H100 step
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import sys
@@ -21,7 +22,7 @@ import numpy as np
 import optax
 import pytest
 from conftest import require_devices
-from helpers import lowered_llama_step, place_by_specs
+from helpers import backward_rows_seen, lowered_llama_step, place_by_specs
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
@@ -102,15 +103,11 @@ def _scanned_step(mesh, mode, tx, rewrite: bool, monkeypatch, **kw):
                        batch_per_device=2)  # fmt: skip
     loss = partial(llama.scanned_loss, heads=cfg.heads, kv_heads=cfg.kv_heads, dtype=jnp.float32)
     toks = jax.random.randint(jax.random.key(1), (2, 2 * mesh.size, cfg.seq + 1), 0, cfg.vocab)
-    applied = []
-
-    def spy(closed):
-        out = grads_in_activation_rows(closed) if rewrite else closed
-        applied.append(out is not closed)
-        return out
-
-    with monkeypatch.context() as m:
-        m.setattr(grad_program, "grads_in_activation_rows", spy)
+    with contextlib.ExitStack() as stack:
+        applied = stack.enter_context(backward_rows_seen())
+        if not rewrite:
+            m = stack.enter_context(monkeypatch.context())
+            m.setattr(grad_program, "grads_in_activation_rows", lambda closed: closed)
         step = jaxsync.train_step(loss, tx, mesh, mode, stacked="blocks", **kw)
         state = step.init(llama.device_params(cfg))
         for b in toks:
@@ -149,14 +146,6 @@ def test_a_two_d_step_is_left_alone(monkeypatch):
     collectives no jaxpr shows; the rewrite is not applied there."""
     require_devices(8)
     mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
-    seen = []
-
-    def spy(closed):
-        out = grads_in_activation_rows(closed)
-        seen.append(out is closed)
-        return out
-
-    monkeypatch.setattr(grad_program, "grads_in_activation_rows", spy)
     params = {"blocks": jnp.ones((L, D, D)) * 0.1}
     spec = {"blocks": P(None, None, "model")}
 
@@ -168,8 +157,9 @@ def test_a_two_d_step_is_left_alone(monkeypatch):
         return jnp.mean(h**2)
 
     step = jaxsync.train_step(loss, optax.sgd(0.1), mesh, "zero", stacked="blocks")
-    step(step.init(place_by_specs(mesh, params, spec)), jnp.ones((8 * 8, D)))
-    assert seen and all(seen)
+    with backward_rows_seen() as rows:
+        step(step.init(place_by_specs(mesh, params, spec)), jnp.ones((8 * 8, D)))
+    assert rows and not any(rows)
 
 
 def test_an_fsdp_step_for_h100s_no_longer_holds_the_gradient_stack(monkeypatch):
