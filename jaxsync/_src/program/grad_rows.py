@@ -31,8 +31,10 @@ Applied where the result is exact and the loop is the data-parallel one:
 - a loop of fewer than :data:`MIN_LAYERS` layers is left alone;
 - a loop whose other collectives run over axes its gradient's reductions do not,
   or that runs on a mesh axis the compiler partitions (tensor-parallel layers), is left
-  alone: there, on a data 4 x model 2 mesh, the rewritten step took 40% longer on
-  XLA's timeline (ZeRO 106.3 -> 148.8 ms, FSDP 112.0 -> 152.5).
+  alone. There the flattened input stack loses the layout the partitioner gave the
+  activations, and it gathers the whole stack (704 MiB) in every iteration: on a data
+  4 x model 2 mesh the rewritten steps held far less (ZeRO 5167 -> 4441 MiB, FSDP 4587
+  -> 3806) but took 40% longer on XLA's timeline (106.3 -> 148.4 ms, 112.0 -> 152.9).
 
 ``bench_gpu``'s Llama-style models (args + temps per GPU; share of the communication
 bound on XLA's timeline): 8 x H100, 1.1B, FSDP 5314 -> 4883 MiB (100% -> 98.9%), ZeRO
@@ -50,7 +52,7 @@ import jax
 import jax.numpy as jnp
 from jax.extend import core as jcore
 
-from ..core.axes import aval_varying_axes, normalize_axes
+from ..core.axes import aval_varying_axes, normalize_axes, to_varying
 from ..core.jaxpr_compat import REMAT, scan_num_carry, scan_num_consts
 from .reach import downstream, upstream
 
@@ -329,7 +331,8 @@ def _loop(loop: Any, places: dict, parts: tuple, ops: tuple) -> list:
     held = tuple(xs[k].reshape(length, -1) for k in stacks)
     rows, _ = rows_at(held, length - 1)  # the backward's first layer, before the loop
     carry, last, vals = head_of(carry, rows)
-    pending = [jnp.zeros_like(b) for b in jax.eval_shape(lambda v: bits_of(tail_of(v)), vals)]
+    pending = [to_varying(jnp.zeros(b.shape, b.dtype), tuple(aval_varying_axes(b)))
+               for b in jax.eval_shape(lambda v: bits_of(tail_of(v)), vals)]  # fmt: skip
     (carry, held, vals, pending), kept = jax.lax.scan(
         step, (carry, held, vals, pending), jnp.arange(length - 1, dtype=jnp.int32), reverse=True
     )
