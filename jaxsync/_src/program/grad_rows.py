@@ -279,6 +279,8 @@ def _loop(loop: Any, places: dict, parts: tuple, ops: tuple) -> list:
     jaxpr, consts_in = body.jaxpr, body.consts
     consts, carry, xs = ops[:nc], list(ops[nc : nc + ncar]), list(ops[nc + ncar :])
     stacks = sorted({k for k, _ in places.values()})
+    # each placed result's row, as elements of the stack it is written into
+    widths = [_elements(loop.outvars[ncar + j].aval, xs[k].dtype) for j, (k, _) in places.items()]
     ys = jaxpr.outvars[ncar:]
     nk = len(ys) - len(places)
     kept_ys = [v for j, v in enumerate(ys) if j not in places]
@@ -325,25 +327,21 @@ def _loop(loop: Any, places: dict, parts: tuple, ops: tuple) -> list:
         return (state, tuple(held), vals, pending), kept
 
     def bits_of(grads: list) -> list:
-        return [_to_bits(y, held[stacks.index(k)].dtype)
-                for y, (k, _) in zip(grads, places.values(), strict=True)]  # fmt: skip
+        return [_to_bits(y, xs[k].dtype) for y, (k, _) in zip(grads, places.values(), strict=True)]
 
     held = tuple(xs[k].reshape(length, -1) for k in stacks)
     rows, _ = rows_at(held, length - 1)  # the backward's first layer, before the loop
     carry, last, vals = head_of(carry, rows)
-    pending = [to_varying(jnp.zeros(b.shape, b.dtype), tuple(aval_varying_axes(b)))
-               for b in jax.eval_shape(lambda v: bits_of(tail_of(v)), vals)]  # fmt: skip
+    pending = [to_varying(jnp.zeros((n,), xs[k].dtype), tuple(aval_varying_axes(xs[k].aval)))
+               for n, (k, _) in zip(widths, places.values(), strict=True)]  # fmt: skip
     (carry, held, vals, pending), kept = jax.lax.scan(
         step, (carry, held, vals, pending), jnp.arange(length - 1, dtype=jnp.int32), reverse=True
     )
     # the gradients read out of the stack before anything after the loop may run (so
     # the stack dies there); row 1's is the one the last iteration reduced, row 0's,
     # the backward's last layer, is reduced after the loop
-    out = []
-    for j, (k, at) in places.items():
-        aval = loop.outvars[ncar + j].aval
-        n = _elements(aval, held[stacks.index(k)].dtype)
-        out.append(_from_bits(held[stacks.index(k)][:, at : at + n], aval))
+    out = [_from_bits(held[stacks.index(k)][:, at : at + n], loop.outvars[ncar + j].aval)
+           for n, (j, (k, at)) in zip(widths, places.items(), strict=True)]  # fmt: skip
     carry, out, vals, pending = jax.lax.optimization_barrier((carry, out, vals, pending))
     ones = [_from_bits(b[None], jax.ShapeDtypeStruct((1, *o.shape[1:]), o.dtype))[0]
             for b, o in zip(pending, out, strict=True)]  # fmt: skip
