@@ -182,3 +182,81 @@ def test_an_fsdp_step_for_h100s_no_longer_holds_the_gradient_stack(monkeypatch):
     block = sum(x.size for x in jax.tree.leaves(shapes["blocks"]))  # all layers' params
     grads = block / mesh.size * 4  # the fp32 shards of every layer's gradient
     assert stack - rows >= grads / 2, (stack / 2**20, rows / 2**20, grads / 2**20)
+
+
+@contextlib.contextmanager
+def _reductions_tied(monkeypatch, across_hosts: bool, enabled: bool = True):
+    """Within it, a list of how many reductions ``program/beside.py`` had the rewritten
+    loop's first layer wait for, per gradient taken (``across_hosts``: trace as if the
+    data axis left one host, where ``ready`` leaves the head's reduction after the
+    loop; ``enabled=False``: none)."""
+    from jaxsync._src.program import grad_rows, ready
+
+    real, seen = grad_rows.ready_reductions, []
+
+    def spy(*args):
+        early, tied = real(*args) if enabled else ([], [])
+        seen.append(len(tied))
+        return early, tied
+
+    with monkeypatch.context() as m:
+        m.setattr(grad_rows, "ready_reductions", spy)
+        if across_hosts:
+            m.setattr(ready, "in_one_host", lambda axes: False)
+        yield seen
+
+
+def test_across_hosts_the_heads_reduction_runs_beside_the_first_layer_and_values_hold(
+    mesh8, monkeypatch
+):
+    """Across hosts the head's gradient is reduced before the loop now, beside the
+    backward's first layer, rather than after it (the bf16 gradient held across the
+    whole loop): the same values as the step without the move, and as one-device optax
+    with SGD. In one host ``ready`` already reduces it before the loop: nothing moves."""
+    tx = optax.sgd(0.5)
+    with _reductions_tied(monkeypatch, across_hosts=True) as tied:
+        got, ref, _, _ = _scanned_step(mesh8, "fsdp", tx, True, monkeypatch)
+    assert tied and all(n >= 1 for n in tied), tied
+    with _reductions_tied(monkeypatch, across_hosts=True, enabled=False):
+        base, _, _, _ = _scanned_step(mesh8, "fsdp", tx, True, monkeypatch)
+    for g, b in zip(jax.tree.leaves(got), jax.tree.leaves(base), strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(b), rtol=1e-6, atol=1e-7)
+    for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(ref), strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=2e-5, atol=2e-6)
+    with _reductions_tied(monkeypatch, across_hosts=False) as tied:
+        _scanned_step(mesh8, "fsdp", tx, True, monkeypatch)
+    assert tied and not any(tied), tied
+
+
+@pytest.mark.parametrize("vocab, moved", [(8192, True), (16384, False)])
+def test_a_reduction_whose_pack_outweighs_what_the_loop_holds_for_it_stays_after(
+    monkeypatch, vocab, moved
+):
+    """The head's fp32 pack runs beside the first layer only where it is no larger than
+    what the loop holds for it: a layer's own pack (``quick``: 11.8 MB) and the bf16
+    head gradient it no longer holds (2 x vocab x 512 bytes). A 16k-token head (a 33.6
+    MB pack against 28.6 MB) would raise the first layer above the loop's peak."""
+    mesh = jaxsync.gpu_topology("h100", hosts=2, gpus_per_host=4)
+    cfg = dataclasses.replace(llama.SIZES["quick"], batch_per_device=4, layers=6, vocab=vocab)
+    policy = jaxsync.FSDP(policy=jaxsync.MixedPrecision(jnp.bfloat16))
+    with _reductions_tied(monkeypatch, across_hosts=False) as tied:
+        lowered_llama_step(mesh, policy, size=cfg)
+    assert tied == [1 if moved else 0]
+
+
+def test_compiled_across_hosts_the_heads_reduce_scatter_starts_before_the_backward_loop(
+    monkeypatch,
+):
+    """2 hosts x 4 H100 (no GPU needed): in the scheduled program the head's
+    reduce-scatter (vocab x d + d fp32) starts before the backward loop (the entry's
+    last ``while``); without the move XLA starts it after the loop."""
+    mesh = jaxsync.gpu_topology("h100", hosts=2, gpus_per_host=4)
+    cfg = dataclasses.replace(llama.SIZES["quick"], batch_per_device=4, layers=6)
+    policy = jaxsync.FSDP(policy=jaxsync.MixedPrecision(jnp.bfloat16))
+    text = lowered_llama_step(mesh, policy, size=cfg).compile().as_text()
+    entry = text[text.index("\nENTRY") :].splitlines()
+    head = f"(f32[{cfg.vocab * cfg.d_model + cfg.d_model}]{{0}})"
+    starts = [i for i, s in enumerate(entry) if "reduce-scatter-start(" in s and head in s]
+    loops = [i for i, s in enumerate(entry) if " while(" in s]
+    assert len(starts) == 1 and len(loops) == 2, (starts, loops)
+    assert starts[0] < loops[-1]

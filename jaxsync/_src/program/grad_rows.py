@@ -52,8 +52,9 @@ import jax
 import jax.numpy as jnp
 from jax.extend import core as jcore
 
-from ..core.axes import aval_varying_axes, normalize_axes, to_varying
+from ..core.axes import aval_varying_axes, to_varying
 from ..core.jaxpr_compat import REMAT, scan_num_carry, scan_num_consts
+from .beside import collective_axes, ready_reductions
 from .reach import downstream, upstream
 
 _SCAN = jcore.primitives.scan_p
@@ -93,14 +94,18 @@ def grads_in_activation_rows(closed: Any) -> Any:
     head, tail, front = _split(body.jaxpr, scan_num_consts(loop), scan_num_carry(loop), places)
     if not _one_kind(head, tail):
         return closed
-    avals = [v.aval for v in loop.invars]
+    axes = {a for e in tail if e.primitive.name in _COLLECTIVES for a in collective_axes(e)}
+    room = sum(_nbytes(v.aval) for v in front)
+    after = jaxpr.eqns[at + 1 :]
+    early, tied = ready_reductions(jaxpr, at, axes, room)
+    avals = [v.aval for v in [*loop.invars, *tied]]
     parts = (body, head, tail, front)
     new = jax.make_jaxpr(lambda *ops: _loop(loop, places, parts, ops))(*avals)
     call = jcore.new_jaxpr_eqn(
-        list(loop.invars), list(loop.outvars), jcore.primitives.closed_call_p,
+        [*loop.invars, *tied], list(loop.outvars), jcore.primitives.closed_call_p,
         {"call_jaxpr": new}, new.effects, loop.source_info,
     )  # fmt: skip
-    eqns = [*jaxpr.eqns[:at], call, *jaxpr.eqns[at + 1 :]]
+    eqns = [*jaxpr.eqns[:at], *early, call, *(e for e in after if e not in early)]
     return jcore.ClosedJaxpr(jaxpr.replace(eqns=eqns), closed.consts)
 
 
@@ -223,10 +228,6 @@ def _run(eqns: list, env: dict, outvars: list) -> list:
     return [read(v) for v in outvars]
 
 
-def _axes(e: Any) -> tuple:
-    return tuple(normalize_axes(e.params.get("axes", e.params.get("axis_name", ()))))
-
-
 def _split(body: Any, nc: int, ncar: int, places: dict) -> tuple[list, list, list]:
     """The body's equations in two, and what passes between them: the tail makes the
     placed results from their last reductions on (a reduction that another one waits
@@ -265,10 +266,14 @@ def _split(body: Any, nc: int, ncar: int, places: dict) -> tuple[list, list, lis
     return head, tail, front
 
 
+def _nbytes(aval: Any) -> int:
+    return math.prod(aval.shape) * aval.dtype.itemsize
+
+
 def _one_kind(head: list, tail: list) -> bool:
     """Whether every collective the loop runs is over axes its last reductions use."""
-    axes = {a for e in tail if e.primitive.name in _COLLECTIVES for a in _axes(e)}
-    return all(set(_axes(e)) <= axes for e in head if e.primitive.name in _COLLECTIVES)
+    axes = {a for e in tail if e.primitive.name in _COLLECTIVES for a in collective_axes(e)}
+    return all(set(collective_axes(e)) <= axes for e in head if e.primitive.name in _COLLECTIVES)
 
 
 def _loop(loop: Any, places: dict, parts: tuple, ops: tuple) -> list:
@@ -277,7 +282,9 @@ def _loop(loop: Any, places: dict, parts: tuple, ops: tuple) -> list:
     nc, ncar = scan_num_consts(loop), scan_num_carry(loop)
     length = loop.params["length"]
     jaxpr, consts_in = body.jaxpr, body.consts
-    consts, carry, xs = ops[:nc], list(ops[nc : nc + ncar]), list(ops[nc + ncar :])
+    n = len(loop.invars)
+    consts, carry, xs = ops[:nc], list(ops[nc : nc + ncar]), list(ops[nc + ncar : n])
+    tied = ops[n:]  # reductions ready before the loop: reduced beside its first layer
     stacks = sorted({k for k, _ in places.values()})
     # each placed result's row, as elements of the stack it is written into
     widths = [_elements(loop.outvars[ncar + j].aval, xs[k].dtype) for j, (k, _) in places.items()]
@@ -332,6 +339,8 @@ def _loop(loop: Any, places: dict, parts: tuple, ops: tuple) -> list:
     held = tuple(xs[k].reshape(length, -1) for k in stacks)
     rows, _ = rows_at(held, length - 1)  # the backward's first layer, before the loop
     carry, last, vals = head_of(carry, rows)
+    if tied:
+        (carry, vals), _ = jax.lax.optimization_barrier(((carry, vals), tied))
     pending = [to_varying(jnp.zeros((n,), xs[k].dtype), tuple(aval_varying_axes(xs[k].aval)))
                for n, (k, _) in zip(widths, places.values(), strict=True)]  # fmt: skip
     (carry, held, vals, pending), kept = jax.lax.scan(
