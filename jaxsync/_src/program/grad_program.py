@@ -8,7 +8,9 @@ loss's backward (:mod:`ready`), the CSE barrier of a layer rematerialised inside
 the loop, which keeps the backward from gathering the next layer early
 (:mod:`loop_remat`), the logits-sized scatter a label gather transposes to
 (:mod:`row_scatter`), and the stack of reduced gradients the backward loop fills
-beside the stack of saved inputs whose rows it has already read (:mod:`grad_rows`).
+beside the stack of saved inputs whose rows it has already read (:mod:`grad_rows`;
+across hosts it also runs the reductions ready before the loop beside the loop's first
+layer, :mod:`beside`).
 :func:`value_and_grad` traces ``jax.value_and_grad(fun)`` to its program, applies the
 rewrites, and evaluates the rewritten program: the same values, exactly.
 """

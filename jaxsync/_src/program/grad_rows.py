@@ -41,6 +41,10 @@ bound on XLA's timeline): 8 x H100, 1.1B, FSDP 5314 -> 4883 MiB (100% -> 98.9%),
 5715 -> 5284 (100% -> 99.4%), DDP 17056 -> 16814; 64 x H100, 7.2B, FSDP 7104 -> 6733
 (93.4% -> 94.7%), ZeRO 7452 -> 6833 (96.1% -> 96.0%). See ``docs/gpu.md`` for the GPT,
 two hosts and the held-out shapes.
+
+The backward's first layer, run before the loop, has no reduction of the loop's beside
+it: the reductions ready before the loop that XLA would run after it (the LM head's,
+across hosts) run there instead (:func:`beside.ready_reductions`).
 """
 
 from __future__ import annotations

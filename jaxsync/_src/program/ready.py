@@ -20,7 +20,8 @@ XLA's timeline +0.5%, +0.8%, +0.7%). Across hosts, where the reductions set the
 backward loop's pace, the matmul's own result is tied and the pack and reduction follow
 it (Llama-style 1.1B, 8 x H100: 6400 -> 6099 MiB per GPU, timeline 144.4 -> 145.3 ms):
 the reduction before the loop runs exposed there (64 x H100, 7.2B: 7104 -> 6797 MiB,
-410.2 -> 413.4 ms, below 93% of the bound).
+410.2 -> 413.4 ms, below 93% of the bound); where :mod:`grad_rows` rewrites the loop,
+:mod:`beside` then runs it beside the loop's first layer.
 A gradient the program hands out wider than its matmul made it (fp32 params with a
 bf16 model: the cast's transpose) is held in the matmul's dtype and widened after
 the loop (8 x H100, DDP: Llama-style 1.1B 17203 -> 17076 MiB; Llama-3.2-1B's shape,
