@@ -57,16 +57,14 @@ import jax.numpy as jnp
 from jax.extend import core as jcore
 
 from ..core.axes import aval_varying_axes, to_varying
-from ..core.jaxpr_compat import REMAT, scan_num_carry, scan_num_consts
+from ..core.jaxpr_compat import scan_num_carry, scan_num_consts
 from .beside import collective_axes, ready_reductions
-from .reach import downstream, upstream
+from .reach import downstream, run_eqns, upstream
 
 _SCAN = jcore.primitives.scan_p
 #: Collectives, each with the mesh axes it runs over (``axes`` or ``axis_name``).
 _COLLECTIVES = {"reduce_scatter", "all_to_all", "psum", "psum_invariant", "all_gather",
                 "ppermute", "pmax", "pmin"}  # fmt: skip
-#: Calls inlined before the body is split (a remat's only if it keeps no CSE barrier).
-_CALLS = {"closed_call", "pjit", "jit", "core_call"}
 #: The fewest layers rewritten. XLA unrolls a loop of 3 trips whole (it runs loops two
 #: iterations to a trip, and peels an odd one), so 4 layers would run their backwards
 #: side by side, with both layers' temporaries live (2 x H100, ZeRO, a 4-layer
@@ -100,8 +98,7 @@ def grads_in_activation_rows(closed: Any) -> Any:
         return closed
     axes = {a for e in tail if e.primitive.name in _COLLECTIVES for a in collective_axes(e)}
     room = sum(_nbytes(v.aval) for v in front)
-    after = jaxpr.eqns[at + 1 :]
-    early, tied = ready_reductions(jaxpr, at, axes, room)
+    early, after, tied = ready_reductions(jaxpr, at, axes, room)
     avals = [v.aval for v in [*loop.invars, *tied]]
     parts = (body, head, tail, front)
     new = jax.make_jaxpr(lambda *ops: _loop(loop, places, parts, ops))(*avals)
@@ -109,7 +106,7 @@ def grads_in_activation_rows(closed: Any) -> Any:
         [*loop.invars, *tied], list(loop.outvars), jcore.primitives.closed_call_p,
         {"call_jaxpr": new}, new.effects, loop.source_info,
     )  # fmt: skip
-    eqns = [*jaxpr.eqns[:at], *early, call, *(e for e in after if e not in early)]
+    eqns = [*jaxpr.eqns[:at], *early, call, *after]
     return jcore.ClosedJaxpr(jaxpr.replace(eqns=eqns), closed.consts)
 
 
@@ -197,39 +194,9 @@ def _inlined(inner: Any) -> Any:
     def run(*args: Any) -> list:
         env = dict(zip(jaxpr.constvars, inner.consts, strict=True))
         env.update(zip(jaxpr.invars, args, strict=True))
-        return _run(jaxpr.eqns, env, jaxpr.outvars)
+        return run_eqns(jaxpr.eqns, env, jaxpr.outvars)
 
     return jax.make_jaxpr(run)(*[v.aval for v in jaxpr.invars])
-
-
-def _run(eqns: list, env: dict, outvars: list) -> list:
-    """``outvars``' values, evaluating ``eqns`` on ``env`` (values by variable), calls
-    inlined (a remat's only where it keeps no CSE barrier)."""
-
-    def read(v: Any) -> Any:
-        return env[v] if isinstance(v, jcore.Var) else v.val
-
-    for e in eqns:
-        ins = [read(v) for v in e.invars]
-        name = e.primitive.name
-        if name in _CALLS or (name in REMAT and not e.params.get("prevent_cse")):
-            sub = e.params.get("call_jaxpr", e.params.get("jaxpr"))
-            closed = isinstance(sub, jcore.ClosedJaxpr)
-            sub_jaxpr = sub.jaxpr if closed else sub
-            inner_env = dict(zip(sub_jaxpr.constvars, sub.consts if closed else (), strict=True))
-            inner_env.update(zip(sub_jaxpr.invars, ins, strict=True))
-            outs = _run(sub_jaxpr.eqns, inner_env, sub_jaxpr.outvars)
-        else:
-            params = e.primitive.get_bind_params(e.params)
-            if isinstance(params, tuple):  # older JAX: (subfuns, params)
-                outs = e.primitive.bind(*params[0], *ins, **params[1])
-            else:
-                outs = e.primitive.bind(*ins, **params)
-            outs = outs if e.primitive.multiple_results else [outs]
-        for v, x in zip(e.outvars, outs, strict=True):
-            if not isinstance(v, jcore.DropVar):
-                env[v] = x
-    return [read(v) for v in outvars]
 
 
 def _split(body: Any, nc: int, ncar: int, places: dict) -> tuple[list, list, list]:
@@ -300,12 +267,12 @@ def _loop(loop: Any, places: dict, parts: tuple, ops: tuple) -> list:
 
     def head_of(state: list, rows: list) -> tuple:
         env = {**fixed, **dict(zip(jaxpr.invars[nc:], [*state, *rows], strict=True))}
-        out = _run(head, env, [*jaxpr.outvars[:ncar], *kept_ys, *front])
+        out = run_eqns(head, env, [*jaxpr.outvars[:ncar], *kept_ys, *front])
         return out[:ncar], out[ncar : ncar + nk], tuple(out[ncar + nk :])
 
     def tail_of(vals: tuple) -> list:
         env = {**fixed, **dict(zip(front, vals, strict=True))}
-        return _run(tail, env, [ys[j] for j in places])
+        return run_eqns(tail, env, [ys[j] for j in places])
 
     def rows_at(held: tuple, i: Any) -> tuple[list, dict]:
         # the reused stacks' rows behind a barrier: the write that follows them then
