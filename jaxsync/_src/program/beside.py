@@ -22,7 +22,6 @@ the communication bound); 16 x H100, the 1.1B 4538 -> 4397.
 from __future__ import annotations
 
 import itertools
-import math
 from typing import Any
 
 import jax
@@ -30,7 +29,7 @@ import jax.numpy as jnp
 from jax.extend import core as jcore
 
 from ..core.axes import normalize_axes
-from .reach import downstream, run_eqns, upstream
+from .reach import back_through, downstream, nbytes, run_eqns, upstream
 
 #: Collectives that reduce a gradient.
 REDUCTIONS = {"reduce_scatter", "psum", "all_to_all"}
@@ -77,7 +76,7 @@ def ready_reductions(jaxpr: Any, at: int, axes: set, room: int) -> tuple[list, l
         outs = {v for f in chain for v in f.outvars}
         inputs = {v for f in chain for v in f.invars if isinstance(v, jcore.Var)} - outs
         held = sum(_held(v, made, args) for v in inputs)
-        largest = max(_nbytes(v.aval) for v in outs)
+        largest = max(nbytes(v.aval) for v in outs)
         if largest > room + held:
             pieces = -(-largest // max(room, 1))
             if pieces > MAX_PIECES or not _splits(e):
@@ -132,20 +131,10 @@ def _held(v: Any, made: dict, args: set) -> int:
     """The bytes value ``v`` holds while it waits: none for an argument (held anyway),
     else the narrowest value on its way from a layout change, a cast or a pad (XLA fuses
     them into their reader: a small gradient padded into a unit's pack is held small)."""
-    held = _nbytes(v.aval)
-    while v in made and made[v].primitive.name in _FUSED:
-        f = made[v]
-        if not isinstance(f.invars[0], jcore.Var):
-            return 0
-        v = f.invars[0]
-        held = min(held, _nbytes(v.aval))
-    return 0 if v in args else held
+    way = back_through(v, made, _FUSED)
+    return 0 if way[-1] in args else min(nbytes(x.aval) for x in way)
 
 
 def collective_axes(e: Any) -> tuple:
     """The mesh axes collective ``e`` runs over (its ``axes`` or ``axis_name``)."""
     return tuple(normalize_axes(e.params.get("axes", e.params.get("axis_name", ()))))
-
-
-def _nbytes(aval: Any) -> int:
-    return math.prod(getattr(aval, "shape", ())) * aval.dtype.itemsize

@@ -59,7 +59,7 @@ from jax.extend import core as jcore
 from ..core.axes import aval_varying_axes, to_varying
 from ..core.jaxpr_compat import scan_num_carry, scan_num_consts
 from .beside import collective_axes, ready_reductions
-from .reach import downstream, run_eqns, upstream
+from .reach import downstream, nbytes, run_eqns, upstream
 
 _SCAN = jcore.primitives.scan_p
 #: Collectives, each with the mesh axes it runs over (``axes`` or ``axis_name``).
@@ -97,7 +97,7 @@ def grads_in_activation_rows(closed: Any) -> Any:
     if not _one_kind(head, tail):
         return closed
     axes = {a for e in tail if e.primitive.name in _COLLECTIVES for a in collective_axes(e)}
-    room = sum(_nbytes(v.aval) for v in front)
+    room = sum(nbytes(v.aval) for v in front)
     early, after, tied = ready_reductions(jaxpr, at, axes, room)
     avals = [v.aval for v in [*loop.invars, *tied]]
     parts = (body, head, tail, front)
@@ -235,10 +235,6 @@ def _split(body: Any, nc: int, ncar: int, places: dict) -> tuple[list, list, lis
         if isinstance(v, jcore.Var) and v not in made_by_tail and v not in fixed and v not in front:
             front.append(v)
     return head, tail, front
-
-
-def _nbytes(aval: Any) -> int:
-    return math.prod(aval.shape) * aval.dtype.itemsize
 
 
 def _one_kind(head: list, tail: list) -> bool:

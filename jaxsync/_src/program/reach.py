@@ -8,6 +8,7 @@ for must stay where it is.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from typing import Any
 
@@ -31,6 +32,22 @@ def upstream(made: dict, seeds: Iterable[Any]) -> set:
             if v in made:
                 todo.extend(x for x in made[v].invars if isinstance(x, jcore.Var))
     return seen
+
+
+def back_through(v: Any, made: dict, ops: set) -> list:
+    """``v`` and the values it is made from through ``ops`` (each one's first operand),
+    nearest first: the way back from a gradient to what it was before its casts, pads
+    and layout changes."""
+    way = [v]
+    while v in made and made[v].primitive.name in ops and isinstance(made[v].invars[0], jcore.Var):
+        v = made[v].invars[0]
+        way.append(v)
+    return way
+
+
+def nbytes(aval: Any) -> int:
+    """The bytes of an abstract value."""
+    return math.prod(aval.shape) * aval.dtype.itemsize
 
 
 def downstream(eqns: Iterable[Any], seeds: Iterable[Any], strict: bool = False) -> set:

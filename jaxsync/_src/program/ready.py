@@ -35,7 +35,6 @@ earlier it sits on the loss's own peak (:func:`recompute_late`).
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 from jax.extend import core as jcore
@@ -43,7 +42,7 @@ from jax.extend import core as jcore
 from ..core.axes import aval_varying_axes, normalize_axes
 from ..core.hosts import in_one_host
 from ..core.jaxpr_compat import barrier_eqn, scan_num_carry, scan_num_consts
-from .reach import downstream, upstream
+from .reach import back_through, downstream, nbytes, upstream
 from .sink import RETYPES
 
 _SCAN = jcore.primitives.scan_p
@@ -185,7 +184,7 @@ def _ready_gradients(jaxpr: Any, made: dict, after: set, feeding: set) -> list:
 
     def outweighs(dot: Any, v: Any) -> bool:
         inputs = [x for x in dot.invars if isinstance(x, jcore.Var) and x not in args]
-        return sum(_nbytes(x.aval) for x in inputs) > _nbytes(v.aval)
+        return sum(nbytes(x.aval) for x in inputs) > nbytes(v.aval)
 
     ready: list = []
     for out in jaxpr.outvars:
@@ -193,17 +192,13 @@ def _ready_gradients(jaxpr: Any, made: dict, after: set, feeding: set) -> list:
             continue
         if out in feeding:  # computed before the loop anyway
             continue
-        v, chain = out, [out]
-        while v in made and made[v].primitive.name in _RESHAPES:
-            if not isinstance(made[v].invars[0], jcore.Var):
-                break
-            v = made[v].invars[0]
-            chain.append(v)
+        chain = back_through(out, made, _RESHAPES)
+        v = chain[-1]
         dot = made.get(v)
         if dot is not None and dot.primitive.name == "dot_general":
             # the narrowest value on the way (a bf16 gradient the program hands out in
             # fp32 is held across the loop in bf16, and widened after it)
-            held = min(chain, key=lambda x: _nbytes(x.aval))
+            held = min(chain, key=lambda x: nbytes(x.aval))
             if outweighs(dot, held) and held not in feeding:
                 ready.append(held)
             continue
@@ -243,7 +238,3 @@ def _sums_all_to_all(e: Any, made: dict) -> bool:
     while isinstance(v, jcore.Var) and v in made and made[v].primitive.name in _RESHAPES:
         v = made[v].invars[0]
     return isinstance(v, jcore.Var) and v in made and made[v].primitive.name == "all_to_all"
-
-
-def _nbytes(aval: Any) -> int:
-    return math.prod(aval.shape) * aval.dtype.itemsize
