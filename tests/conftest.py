@@ -87,7 +87,8 @@ def mesh8():
 #: order, so these start first and the short files fill the end, not one long file
 #: running alone on one core.
 LONGEST_FIRST = (
-    "test_layerwise.py", "test_multiprocess.py", "test_ready.py", "test_faults.py",
+    "test_layerwise.py", "test_multiprocess.py", "test_ready.py", "test_grad_rows.py",
+    "test_faults.py",
     "test_unit_prints.py", "test_gpu_target.py", "test_sink.py", "test_muon_as_is.py",
     "test_step_metrics.py", "test_fsdp.py", "test_deterministic.py", "test_hang.py",
     "test_two_d_checkpoint.py", "test_rerun_devices.py", "test_two_d.py",

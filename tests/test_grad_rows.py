@@ -289,3 +289,69 @@ def test_compiled_across_hosts_the_heads_reduce_scatter_starts_before_the_backwa
     loops = [i for i, s in enumerate(entry) if " while(" in s]
     assert len(starts) == 1 and len(loops) == 2, (starts, loops)
     assert starts[0] < loops[-1]
+
+
+_TWO_PROCESS_JOB = """
+import sys
+from functools import partial
+
+import jax, jax.numpy as jnp, numpy as np, optax
+import jaxsync
+
+jaxsync.initialize()
+sys.path.insert(0, sys.argv[1])
+import llama
+from jaxsync._src.program import grad_rows
+
+real, tied = grad_rows.ready_reductions, []
+def spy(*args):
+    out = real(*args)
+    tied.append(len(out[2]))
+    return out
+grad_rows.ready_reductions = spy
+
+cfg = llama.Config(vocab=512, seq=128, d_model=64, heads=4, kv_heads=2, ffn=128, layers=6,
+                   batch_per_device=2)
+mesh = jax.make_mesh((jax.device_count(),), ("data",))
+loss = partial(llama.scanned_loss, heads=cfg.heads, kv_heads=cfg.kv_heads, dtype=jnp.float32)
+tx = optax.sgd(0.5)
+step = jaxsync.train_step(loss, tx, mesh, "fsdp", stacked="blocks")
+state = step.init(llama.device_params(cfg))
+toks = np.asarray(jax.random.randint(jax.random.key(1), (2, 16, cfg.seq + 1), 0, cfg.vocab))
+half = 16 // jax.process_count()
+for b in toks:
+    state, _ = step(state, jaxsync.shard_batch(b[jax.process_index() * half :][:half], mesh))
+got = jax.experimental.multihost_utils.process_allgather(step.params(state), tiled=True)
+ref, opt = llama.device_params(cfg), tx.init(llama.device_params(cfg))
+for b in toks:
+    u, opt = tx.update(jax.grad(loss)(ref, b), opt, ref)
+    ref = optax.apply_updates(ref, u)
+err = max(float(np.max(np.abs(np.asarray(g) - np.asarray(r)) / (2e-6 + 2e-5 * np.abs(r))))
+          for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(ref), strict=True))
+print(f"process {jax.process_index()}: tied {tied}, error {err:.3f} of the tolerance")
+"""
+
+
+@pytest.mark.multiprocess
+def test_in_a_real_two_process_job_the_heads_reduction_runs_beside_the_first_layer(tmp_path):
+    """Two processes of 4 CPU devices (``jaxsync.launch``, gloo): the data axis leaves a
+    process, so the head's reduction moves beside the first layer on both, with nothing
+    patched, and the FSDP step still matches one-device optax (SGD)."""
+    import subprocess
+
+    job = tmp_path / "job.py"
+    job.write_text(_TWO_PROCESS_JOB)
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1",
+           "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}  # fmt: skip
+    bench = os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks")
+    out = subprocess.run(
+        [sys.executable, "-m", "jaxsync.launch", "--nproc", "2", "--devices-per-proc", "4",
+         str(job), bench],
+        env=env, capture_output=True, text=True, timeout=400,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    lines = [ln for ln in out.stdout.splitlines() if ": tied [" in ln]
+    assert len(lines) == 2, out.stdout[-3000:]
+    for line in lines:
+        assert ": tied [1]" in line, line
+        assert float(line.split("error ")[1].split()[0]) <= 1.0, line
