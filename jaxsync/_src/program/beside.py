@@ -28,16 +28,16 @@ import jax
 import jax.numpy as jnp
 from jax.extend import core as jcore
 
-from ..core.axes import normalize_axes
-from .reach import back_through, downstream, nbytes, run_eqns, upstream
+from .reach import back_through, collective_axes, downstream, nbytes, run_eqns, upstream
+from .ready import RESHAPES
 
 #: Collectives that reduce a gradient.
 REDUCTIONS = {"reduce_scatter", "psum", "all_to_all"}
 #: The most pieces a pack larger than the loop's room is reduced in (:func:`_in_pieces`).
 MAX_PIECES = 8
-#: Ops XLA fuses into their reader, so their operand is what waits.
-_FUSED = {"pad", "reshape", "convert_element_type", "transpose", "broadcast_in_dim",
-          "squeeze", "expand_dims"}  # fmt: skip
+#: Ops XLA fuses into their reader, so their operand is what waits: casts, layout
+#: changes (:data:`ready.RESHAPES`), pads and broadcasts.
+_FUSED = RESHAPES | {"pad", "broadcast_in_dim"}
 
 
 def ready_reductions(jaxpr: Any, at: int, axes: set, room: int) -> tuple[list, list, list]:
@@ -56,6 +56,7 @@ def ready_reductions(jaxpr: Any, at: int, axes: set, room: int) -> tuple[list, l
     eqns = jaxpr.eqns[at + 1 :]
     late = downstream(eqns, jaxpr.eqns[at].outvars)
     made = {v: e for e in jaxpr.eqns for v in e.outvars}
+    after = {v: e for e in eqns for v in e.outvars}  # what a chain is made of
     args = {*jaxpr.invars, *jaxpr.constvars}
     order = {id(e): k for k, e in enumerate(eqns)}
     early: dict = {}
@@ -66,7 +67,7 @@ def ready_reductions(jaxpr: Any, at: int, axes: set, room: int) -> tuple[list, l
             continue
         if any(v in late for v in e.outvars):
             continue
-        feeds = upstream(made, e.invars)
+        feeds = upstream(after, e.invars)
         chain = [f for f in eqns if f is e or any(v in feeds for v in f.outvars)]
         if any(f.effects and any(type(x).__name__ != "NamedAxisEffect" for x in f.effects)
                for f in chain):  # fmt: skip
@@ -133,8 +134,3 @@ def _held(v: Any, made: dict, args: set) -> int:
     them into their reader: a small gradient padded into a unit's pack is held small)."""
     way = back_through(v, made, _FUSED)
     return 0 if way[-1] in args else min(nbytes(x.aval) for x in way)
-
-
-def collective_axes(e: Any) -> tuple:
-    """The mesh axes collective ``e`` runs over (its ``axes`` or ``axis_name``)."""
-    return tuple(normalize_axes(e.params.get("axes", e.params.get("axis_name", ()))))

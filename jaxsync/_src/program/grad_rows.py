@@ -58,8 +58,8 @@ from jax.extend import core as jcore
 
 from ..core.axes import aval_varying_axes, to_varying
 from ..core.jaxpr_compat import scan_num_carry, scan_num_consts
-from .beside import collective_axes, ready_reductions
-from .reach import downstream, nbytes, run_eqns, upstream
+from .beside import ready_reductions
+from .reach import collective_axes, downstream, nbytes, run_eqns, upstream
 
 _SCAN = jcore.primitives.scan_p
 #: Collectives, each with the mesh axes it runs over (``axes`` or ``axis_name``).
@@ -94,9 +94,9 @@ def grads_in_activation_rows(closed: Any) -> Any:
         return closed
     body = _inlined(loop.params["jaxpr"])
     head, tail, front = _split(body.jaxpr, scan_num_consts(loop), scan_num_carry(loop), places)
-    if not _one_kind(head, tail):
-        return closed
     axes = {a for e in tail if e.primitive.name in _COLLECTIVES for a in collective_axes(e)}
+    if not _one_kind(head, axes):
+        return closed
     room = sum(nbytes(v.aval) for v in front)
     early, after, tied = ready_reductions(jaxpr, at, axes, room)
     avals = [v.aval for v in [*loop.invars, *tied]]
@@ -237,9 +237,9 @@ def _split(body: Any, nc: int, ncar: int, places: dict) -> tuple[list, list, lis
     return head, tail, front
 
 
-def _one_kind(head: list, tail: list) -> bool:
-    """Whether every collective the loop runs is over axes its last reductions use."""
-    axes = {a for e in tail if e.primitive.name in _COLLECTIVES for a in collective_axes(e)}
+def _one_kind(head: list, axes: set) -> bool:
+    """Whether every collective the loop runs is over ``axes``, those of its last
+    reductions."""
     return all(set(collective_axes(e)) <= axes for e in head if e.primitive.name in _COLLECTIVES)
 
 

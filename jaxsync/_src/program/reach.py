@@ -14,6 +14,7 @@ from typing import Any
 
 from jax.extend import core as jcore
 
+from ..core.axes import normalize_axes
 from ..core.jaxpr_compat import REMAT
 
 #: Calls :func:`run_eqns` inlines (a remat's only where it keeps no CSE barrier).
@@ -43,6 +44,11 @@ def back_through(v: Any, made: dict, ops: set) -> list:
         v = made[v].invars[0]
         way.append(v)
     return way
+
+
+def collective_axes(e: Any) -> tuple:
+    """The mesh axes collective ``e`` runs over (its ``axes`` or ``axis_name``)."""
+    return tuple(normalize_axes(e.params.get("axes", e.params.get("axis_name", ()))))
 
 
 def nbytes(aval: Any) -> int:

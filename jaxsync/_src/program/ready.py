@@ -39,21 +39,21 @@ from typing import Any
 
 from jax.extend import core as jcore
 
-from ..core.axes import aval_varying_axes, normalize_axes
+from ..core.axes import aval_varying_axes
 from ..core.hosts import in_one_host
 from ..core.jaxpr_compat import barrier_eqn, scan_num_carry, scan_num_consts
-from .reach import back_through, downstream, nbytes, upstream
+from .reach import back_through, collective_axes, downstream, nbytes, upstream
 from .sink import RETYPES
 
 _SCAN = jcore.primitives.scan_p
 #: Ops a gradient may pass through between its matmul and the program's output: the
 #: conversions a broadcast may pass through (:data:`sink.RETYPES`) and layout changes.
-_RESHAPES = RETYPES | {"transpose", "reshape", "squeeze", "expand_dims"}
+RESHAPES = RETYPES | {"transpose", "reshape", "squeeze", "expand_dims"}
 #: ... and the ops that pack gradients into a unit's flat array and reduce it there
 #: (a reduce-scatter, or an all-to-all and the sum of what it brought:
 #: ``sync.collectives.scatter_wire_sum``).
 _REDUCTIONS = {"reduce_scatter", "all_to_all"}
-_PACKS = _RESHAPES | {"pad", "add_any", "concatenate", "slice", "mul"} | _REDUCTIONS
+_PACKS = RESHAPES | {"pad", "add_any", "concatenate", "slice", "mul"} | _REDUCTIONS
 
 
 def ready_first(closed: Any) -> Any:
@@ -192,7 +192,7 @@ def _ready_gradients(jaxpr: Any, made: dict, after: set, feeding: set) -> list:
             continue
         if out in feeding:  # computed before the loop anyway
             continue
-        chain = back_through(out, made, _RESHAPES)
+        chain = back_through(out, made, RESHAPES)
         v = chain[-1]
         dot = made.get(v)
         if dot is not None and dot.primitive.name == "dot_general":
@@ -225,7 +225,7 @@ def _packed_behind(out: Any, made: dict, args: set) -> tuple[list, list]:
             found.append(v)
         elif e.primitive.name in _PACKS or _sums_all_to_all(e, made):
             if e.primitive.name in _REDUCTIONS:
-                axes.append(tuple(normalize_axes(e.params["axis_name"])))
+                axes.append(collective_axes(e))
             todo.extend(x for x in e.invars if isinstance(x, jcore.Var))
     return found, axes
 
@@ -235,6 +235,6 @@ def _sums_all_to_all(e: Any, made: dict) -> bool:
     if e.primitive.name != "reduce_sum":
         return False
     v = e.invars[0]
-    while isinstance(v, jcore.Var) and v in made and made[v].primitive.name in _RESHAPES:
+    while isinstance(v, jcore.Var) and v in made and made[v].primitive.name in RESHAPES:
         v = made[v].invars[0]
     return isinstance(v, jcore.Var) and v in made and made[v].primitive.name == "all_to_all"
