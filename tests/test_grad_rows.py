@@ -192,14 +192,21 @@ def test_an_fsdp_step_for_h100s_no_longer_holds_the_gradient_stack(monkeypatch):
 def _reductions_tied(monkeypatch, across_hosts: bool, enabled: bool = True):
     """Within it, a list of how many reductions ``program/beside.py`` had the rewritten
     loop's first layer wait for, per gradient taken, and how many reduce-scatters the
-    ones it split into pieces run (``across_hosts``: trace as if the data axis left one
-    host, where ``ready`` leaves the head's reduction after the loop; ``enabled=False``:
-    none)."""
+    ones it split into pieces run; and ``("tie", True)`` where the loop ties each layer's
+    reduction to end before the next layer's last matmul (across hosts).
+    ``across_hosts``: trace as if the data axis left one host, where ``ready`` leaves the
+    head's reduction after the loop; ``enabled=False``: nothing moves before the loop."""
     from jaxsync._src.fsdp import gather
     from jaxsync._src.program import grad_rows, ready
     from jaxsync._src.sync import collectives
 
     real, seen = grad_rows.ready_reductions, []
+    last = grad_rows._last_matmul
+
+    def cut(head, front):
+        at = last(head, front)
+        seen.append(("tie", at is not None and head[at].primitive.name == "dot_general"))
+        return at
 
     def spy(jaxpr, at, *rest):
         early, after, tied = real(jaxpr, at, *rest) if enabled else ([], jaxpr.eqns[at + 1 :], [])
@@ -210,8 +217,9 @@ def _reductions_tied(monkeypatch, across_hosts: bool, enabled: bool = True):
 
     with monkeypatch.context() as m:
         m.setattr(grad_rows, "ready_reductions", spy)
+        m.setattr(grad_rows, "_last_matmul", cut)
         if across_hosts:  # every choice the library makes by hosts
-            for module in (ready, collectives, gather):
+            for module in (ready, collectives, gather, grad_rows):
                 m.setattr(module, "in_one_host", lambda axes: False)
         yield seen
 
@@ -233,7 +241,7 @@ def test_across_hosts_the_heads_reduction_runs_beside_the_first_layer_and_values
     mode, steps = ("fsdp", 2) if compute == "fp32" else (bf16, 1)
     with _reductions_tied(monkeypatch, across_hosts=True) as tied:
         got, ref, _, _ = _scanned_step(mesh8, mode, tx, True, monkeypatch, vocab=vocab, steps=steps)
-    assert tied and set(tied) == {(1, pieces)}, tied
+    assert set(tied) == {(1, pieces), ("tie", True)}, tied
     with _reductions_tied(monkeypatch, across_hosts=True, enabled=False):
         base, _, _, _ = _scanned_step(mesh8, mode, tx, True, monkeypatch, vocab=vocab, steps=steps)
     # One step's update. The head's is what the pieces reduce: to fp32 rounding. In bf16
@@ -250,7 +258,7 @@ def test_across_hosts_the_heads_reduction_runs_beside_the_first_layer_and_values
         np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=2e-5, atol=2e-6)
     with _reductions_tied(monkeypatch, across_hosts=False) as tied:
         _scanned_step(mesh8, mode, tx, True, monkeypatch)
-    assert tied and set(tied) == {(0, 0)}, tied
+    assert tied and set(tied) == {(0, 0)}, tied  # and no tie to the last matmul
 
 
 @pytest.mark.parametrize("vocab, want", [(8192, (1, 0)), (16384, (1, 3)), (65536, (0, 0))])
@@ -270,7 +278,7 @@ def test_a_pack_outweighing_what_the_loop_holds_for_it_is_reduced_in_pieces(
     policy = jaxsync.FSDP(policy=jaxsync.MixedPrecision(jnp.bfloat16))
     with _reductions_tied(monkeypatch, across_hosts=False) as tied:
         lowered_llama_step(mesh, policy, size=cfg)
-    assert tied == [want]
+    assert [t for t in tied if t[0] != "tie"] == [want]
 
 
 def test_compiled_across_hosts_the_heads_reduce_scatter_starts_before_the_backward_loop(
