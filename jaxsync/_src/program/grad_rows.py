@@ -46,10 +46,10 @@ Across hosts, where one layer's reduction takes about as long as the next layer'
 backward, XLA let it run to the iteration's end, and started gathering the next
 layer's params (one collective in flight) before the attention scores' gradients,
 the iteration's peak. Each iteration now waits for the reduction before its last
-matmul (:func:`_last_matmul`), a barrier on that matmul's operands, which are
-materialized anyway; the gather then starts past the peak (64 x H100, FSDP: the 7.2B
-6458 -> 6042 MiB, the gathered layer no longer at the peak, 94.7% -> 96.1% of the
-communication bound; GPT 6.7B 6254 -> 5922, 91.6% -> 93.3%; no kernel bytes added).
+matmul (:func:`_last_matmul`), a barrier on that matmul's operands that are held
+anyway (:func:`_materialized`); the gather then starts past the peak (64 x H100, FSDP:
+the 7.2B 6458 -> 6038 MiB, the gathered layer no longer at the peak, 94.7% -> 96.0% of
+the communication bound; GPT 6.7B 6254 -> 5826, 91.6% -> 93.5%; no kernel bytes added).
 In one host the reduction is short, and waiting for it there only held more.
 
 The backward's first layer, run before the loop, has no reduction of the loop's beside
@@ -70,12 +70,14 @@ from ..core.axes import aval_varying_axes, to_varying
 from ..core.hosts import in_one_host
 from ..core.jaxpr_compat import scan_num_carry, scan_num_consts
 from .beside import ready_reductions
-from .reach import collective_axes, downstream, nbytes, run_eqns, upstream
+from .reach import back_through, collective_axes, downstream, nbytes, run_eqns, upstream
 
 _SCAN = jcore.primitives.scan_p
 #: Collectives, each with the mesh axes it runs over (``axes`` or ``axis_name``).
 _COLLECTIVES = {"reduce_scatter", "all_to_all", "psum", "psum_invariant", "all_gather",
                 "ppermute", "pmax", "pmin"}  # fmt: skip
+#: Ops that only rename a value or its shape (a bitcast for XLA in its default layout).
+_RENAMES = {"name", "pvary", "reshape", "squeeze", "expand_dims"}
 #: The fewest layers rewritten. XLA unrolls a loop of 3 trips whole (it runs loops two
 #: iterations to a trip, and peels an odd one), so 4 layers would run their backwards
 #: side by side, with both layers' temporaries live (2 x H100, ZeRO, a 4-layer
@@ -266,6 +268,24 @@ def _last_matmul(head: list, front: list) -> int | None:
     return dots[-1] if dots else None
 
 
+def _materialized(v: Any, made: dict, inside: bool = False) -> bool:
+    """Whether ``v`` is held in memory anyway, whatever XLA fuses: an operand of the
+    iteration or the result of a matmul or a collective (looked for inside a call: an
+    FSDP unit's gather). A barrier on anything else would make XLA write it out (GPT
+    6.7B, 64 x H100: a concatenation fused into its matmul, +12.5 GB of kernel bytes)."""
+    e = made.get(v)
+    if e is None:
+        return not inside  # the iteration's operand, or a call's (which may be fused)
+    if e.primitive.name == "dot_general" or e.primitive.name in _COLLECTIVES:
+        return True
+    inner = getattr(e.params.get("call_jaxpr", e.params.get("jaxpr")), "jaxpr", None)
+    if inner is None:
+        return False
+    made_in = {x: f for f in inner.eqns for x in f.outvars}
+    root = back_through(inner.outvars[e.outvars.index(v)], made_in, _RENAMES)[-1]
+    return _materialized(root, made_in, inside=True)
+
+
 def _loop(loop: Any, places: dict, parts: tuple, ops: tuple) -> list:
     """The rewritten loop, on the loop's operands ``ops``: its results, in its order."""
     body, head, tail, front, cut = parts
@@ -284,6 +304,8 @@ def _loop(loop: Any, places: dict, parts: tuple, ops: tuple) -> list:
     fixed = dict(zip(jaxpr.constvars, consts_in, strict=True))
     fixed.update(zip(jaxpr.invars[:nc], consts, strict=True))
 
+    made = {v: e for e in head for v in e.outvars}
+
     def head_of(state: list, rows: list, wait: Any = None) -> tuple:
         env = {**fixed, **dict(zip(jaxpr.invars[nc:], [*state, *rows], strict=True))}
         rest = head
@@ -291,8 +313,13 @@ def _loop(loop: Any, places: dict, parts: tuple, ops: tuple) -> list:
             # the layer before's reduction ends before this layer's last matmul
             run_eqns(head[:cut], env, [])
             ins = list(dict.fromkeys(v for v in head[cut].invars if isinstance(v, jcore.Var)))
-            vals, wait = jax.lax.optimization_barrier(([env[v] for v in ins], wait))
-            env.update(zip(ins, vals, strict=True))
+            ways = [back_through(v, made, _RENAMES) for v in ins]
+            ways = [w for w in ways if _materialized(w[-1], made)] or [[v] for v in ins]
+            roots = list(dict.fromkeys(w[-1] for w in ways))
+            vals, wait = jax.lax.optimization_barrier(([env[v] for v in roots], wait))
+            env.update(zip(roots, vals, strict=True))
+            # the renames from each root to the matmul's operand, again from the tied root
+            run_eqns([made[v] for w in ways for v in reversed(w[:-1])], env, [])
             rest = head[cut:]
         out = run_eqns(rest, env, [*jaxpr.outvars[:ncar], *kept_ys, *front])
         return out[:ncar], out[ncar : ncar + nk], tuple(out[ncar + nk :]), wait
