@@ -201,12 +201,12 @@ def _reductions_tied(monkeypatch, across_hosts: bool, enabled: bool = True):
     from jaxsync._src.sync import collectives
 
     real, seen = grad_rows.ready_reductions, []
-    last = grad_rows._last_matmul
+    real_tie = grad_rows._tie
 
-    def cut(head, front):
-        at = last(head, front)
-        seen.append(("tie", at is not None and head[at].primitive.name == "dot_general"))
-        return at
+    def tie(head, front):
+        found = real_tie(head, front)
+        seen.append(("tie", found is not None and head[found[0]].primitive.name == "dot_general"))
+        return found
 
     def spy(jaxpr, at, *rest):
         early, after, tied = real(jaxpr, at, *rest) if enabled else ([], jaxpr.eqns[at + 1 :], [])
@@ -217,7 +217,7 @@ def _reductions_tied(monkeypatch, across_hosts: bool, enabled: bool = True):
 
     with monkeypatch.context() as m:
         m.setattr(grad_rows, "ready_reductions", spy)
-        m.setattr(grad_rows, "_last_matmul", cut)
+        m.setattr(grad_rows, "_tie", tie)
         if across_hosts:  # every choice the library makes by hosts
             for module in (ready, collectives, gather, grad_rows):
                 m.setattr(module, "in_one_host", lambda axes: False)

@@ -46,8 +46,8 @@ Across hosts, where one layer's reduction takes about as long as the next layer'
 backward, XLA let it run to the iteration's end, and started gathering the next
 layer's params (one collective in flight) before the attention scores' gradients,
 the iteration's peak. Each iteration now waits for the reduction before its last
-matmul (:func:`_last_matmul`), a barrier on that matmul's operands that are held
-anyway (:func:`_materialized`); the gather then starts past the peak (64 x H100, FSDP:
+matmul (:func:`_tie`), a barrier on that matmul's operands that are held anyway
+(:func:`_materialized`); the gather then starts past the peak (64 x H100, FSDP:
 the 7.2B 6458 -> 6038 MiB, the gathered layer no longer at the peak, 94.7% -> 96.0% of
 the communication bound; GPT 6.7B 6254 -> 5826, 91.6% -> 93.5%; no kernel bytes added).
 In one host the reduction is short, and waiting for it there only held more.
@@ -114,7 +114,7 @@ def grads_in_activation_rows(closed: Any) -> Any:
     early, after, tied = ready_reductions(jaxpr, at, axes, room)
     avals = [v.aval for v in [*loop.invars, *tied]]
     across = bool(axes) and not in_one_host(tuple(axes))
-    parts = (body, head, tail, front, _last_matmul(head, front) if across else None)
+    parts = (body, head, tail, front, _tie(head, front) if across else None)
     new = jax.make_jaxpr(lambda *ops: _loop(loop, places, parts, ops))(*avals)
     call = jcore.new_jaxpr_eqn(
         [*loop.invars, *tied], list(loop.outvars), jcore.primitives.closed_call_p,
@@ -257,15 +257,24 @@ def _one_kind(head: list, axes: set) -> bool:
     return all(set(collective_axes(e)) <= axes for e in head if e.primitive.name in _COLLECTIVES)
 
 
-def _last_matmul(head: list, front: list) -> int | None:
-    """The index in ``head`` of the last matmul the layer's gradient (what ``front``
-    carries to the reduction) is computed from, where the reduction of the layer before
-    is to have ended; None where there is none."""
+def _tie(head: list, front: list) -> tuple[int, list] | None:
+    """Where in ``head`` the reduction of the layer before is to have ended: the index
+    of the last matmul the layer's gradient (what ``front`` carries to the reduction)
+    is computed from that has an operand held anyway (:func:`_materialized`), and the
+    ways back to those operands' roots through renames (each operand first, its root
+    last); None where there is none."""
     made = {v: e for e in head for v in e.outvars}
     grads = upstream(made, front)
-    dots = [k for k, e in enumerate(head) if e.primitive.name == "dot_general"
-            and any(v in grads for v in e.outvars)]  # fmt: skip
-    return dots[-1] if dots else None
+    for k in reversed(range(len(head))):
+        e = head[k]
+        if e.primitive.name != "dot_general" or not any(v in grads for v in e.outvars):
+            continue
+        ops = dict.fromkeys(v for v in e.invars if isinstance(v, jcore.Var))
+        ways = [back_through(v, made, _RENAMES) for v in ops]
+        ways = [w for w in ways if _materialized(w[-1], made)]
+        if ways:
+            return k, ways
+    return None
 
 
 def _materialized(v: Any, made: dict, inside: bool = False) -> bool:
@@ -288,7 +297,7 @@ def _materialized(v: Any, made: dict, inside: bool = False) -> bool:
 
 def _loop(loop: Any, places: dict, parts: tuple, ops: tuple) -> list:
     """The rewritten loop, on the loop's operands ``ops``: its results, in its order."""
-    body, head, tail, front, cut = parts
+    body, head, tail, front, tie = parts
     nc, ncar = scan_num_consts(loop), scan_num_carry(loop)
     length = loop.params["length"]
     jaxpr, consts_in = body.jaxpr, body.consts
@@ -309,12 +318,10 @@ def _loop(loop: Any, places: dict, parts: tuple, ops: tuple) -> list:
     def head_of(state: list, rows: list, wait: Any = None) -> tuple:
         env = {**fixed, **dict(zip(jaxpr.invars[nc:], [*state, *rows], strict=True))}
         rest = head
-        if wait is not None and cut is not None:
+        if wait is not None and tie is not None:
             # the layer before's reduction ends before this layer's last matmul
+            cut, ways = tie
             run_eqns(head[:cut], env, [])
-            ins = list(dict.fromkeys(v for v in head[cut].invars if isinstance(v, jcore.Var)))
-            ways = [back_through(v, made, _RENAMES) for v in ins]
-            ways = [w for w in ways if _materialized(w[-1], made)] or [[v] for v in ins]
             roots = list(dict.fromkeys(w[-1] for w in ways))
             vals, wait = jax.lax.optimization_barrier(([env[v] for v in roots], wait))
             env.update(zip(roots, vals, strict=True))
