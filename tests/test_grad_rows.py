@@ -339,6 +339,12 @@ def spy(*args):
     tied.append(len(out[2]))
     return out
 grad_rows.ready_reductions = spy
+real_tie, ties = grad_rows._tie, []
+def tie_spy(head, front):
+    found = real_tie(head, front)
+    ties.append(found is not None)
+    return found
+grad_rows._tie = tie_spy
 
 cfg = llama.Config(vocab=512, seq=128, d_model=64, heads=4, kv_heads=2, ffn=128, layers=6,
                    batch_per_device=2)
@@ -358,15 +364,16 @@ for b in toks:
     ref = optax.apply_updates(ref, u)
 err = max(float(np.max(np.abs(np.asarray(g) - np.asarray(r)) / (2e-6 + 2e-5 * np.abs(r))))
           for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(ref), strict=True))
-print(f"process {jax.process_index()}: tied {tied}, error {err:.3f} of the tolerance")
+print(f"process {jax.process_index()}: tied {tied}, matmul tie {ties}, error {err:.3f} of tol")
 """
 
 
 @pytest.mark.multiprocess
 def test_in_a_real_two_process_job_the_heads_reduction_runs_beside_the_first_layer(tmp_path):
     """Two processes of 4 CPU devices (``jaxsync.launch``, gloo): the data axis leaves a
-    process, so the head's reduction moves beside the first layer on both, with nothing
-    patched, and the FSDP step still matches one-device optax (SGD)."""
+    process, so the head's reduction moves beside the first layer on both, and each
+    layer's reduction ends before the next layer's last matmul, with nothing patched;
+    the FSDP step still matches one-device optax (SGD)."""
     import subprocess
 
     job = tmp_path / "job.py"
@@ -383,5 +390,5 @@ def test_in_a_real_two_process_job_the_heads_reduction_runs_beside_the_first_lay
     lines = [ln for ln in out.stdout.splitlines() if ": tied [" in ln]
     assert len(lines) == 2, out.stdout[-3000:]
     for line in lines:
-        assert ": tied [1]" in line, line
+        assert ": tied [1], matmul tie [True]" in line, line
         assert float(line.split("error ")[1].split()[0]) <= 1.0, line
