@@ -257,12 +257,12 @@ def _one_kind(head: list, axes: set) -> bool:
     return all(set(collective_axes(e)) <= axes for e in head if e.primitive.name in _COLLECTIVES)
 
 
-def _tie(head: list, front: list) -> tuple[int, list] | None:
+def _tie(head: list, front: list) -> tuple[int, list, list] | None:
     """Where in ``head`` the reduction of the layer before is to have ended: the index
     of the last matmul the layer's gradient (what ``front`` carries to the reduction)
-    is computed from that has an operand held anyway (:func:`_materialized`), and the
-    ways back to those operands' roots through renames (each operand first, its root
-    last); None where there is none."""
+    is computed from that has an operand held anyway (:func:`_materialized`); the roots
+    those operands are renamed from, to tie; and the renames, to run again from the
+    tied roots. None where there is none."""
     made = {v: e for e in head for v in e.outvars}
     grads = upstream(made, front)
     for k in reversed(range(len(head))):
@@ -273,7 +273,8 @@ def _tie(head: list, front: list) -> tuple[int, list] | None:
         ways = [back_through(v, made, _RENAMES) for v in ops]
         ways = [w for w in ways if _materialized(w[-1], made)]
         if ways:
-            return k, ways
+            roots = list(dict.fromkeys(w[-1] for w in ways))
+            return k, roots, [made[v] for w in ways for v in reversed(w[:-1])]
     return None
 
 
@@ -313,20 +314,16 @@ def _loop(loop: Any, places: dict, parts: tuple, ops: tuple) -> list:
     fixed = dict(zip(jaxpr.constvars, consts_in, strict=True))
     fixed.update(zip(jaxpr.invars[:nc], consts, strict=True))
 
-    made = {v: e for e in head for v in e.outvars}
-
     def head_of(state: list, rows: list, wait: Any = None) -> tuple:
         env = {**fixed, **dict(zip(jaxpr.invars[nc:], [*state, *rows], strict=True))}
         rest = head
         if wait is not None and tie is not None:
             # the layer before's reduction ends before this layer's last matmul
-            cut, ways = tie
+            cut, roots, renames = tie
             run_eqns(head[:cut], env, [])
-            roots = list(dict.fromkeys(w[-1] for w in ways))
             vals, wait = jax.lax.optimization_barrier(([env[v] for v in roots], wait))
             env.update(zip(roots, vals, strict=True))
-            # the renames from each root to the matmul's operand, again from the tied root
-            run_eqns([made[v] for w in ways for v in reversed(w[:-1])], env, [])
+            run_eqns(renames, env, [])  # the matmul's operands, again from the tied roots
             rest = head[cut:]
         out = run_eqns(rest, env, [*jaxpr.outvars[:ncar], *kept_ys, *front])
         return out[:ncar], out[ncar : ncar + nk], tuple(out[ncar + nk :]), wait

@@ -234,7 +234,7 @@ def _sums_all_to_all(e: Any, made: dict) -> bool:
     """Whether ``e`` sums what an all-to-all brought (through type and layout changes)."""
     if e.primitive.name != "reduce_sum":
         return False
-    v = e.invars[0]
-    while isinstance(v, jcore.Var) and v in made and made[v].primitive.name in RESHAPES:
-        v = made[v].invars[0]
-    return isinstance(v, jcore.Var) and v in made and made[v].primitive.name == "all_to_all"
+    if not isinstance(e.invars[0], jcore.Var):
+        return False
+    v = back_through(e.invars[0], made, RESHAPES)[-1]
+    return v in made and made[v].primitive.name == "all_to_all"
