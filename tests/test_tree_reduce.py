@@ -5,7 +5,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from conftest import require_devices
 from helpers import make_batches, mlp_loss, mlp_params
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import jaxsync
 from jaxsync._src.core.tree_reduce import nonfinite_leaves, sq_sum_and_zeros
@@ -111,3 +114,30 @@ def test_the_guard_makes_no_float_zeros_of_a_gradient_s_shape(fn):
     for line in text.splitlines():
         if "broadcast_in_dim" in line or "stablehlo.constant" in line:
             assert "65536xf32" not in line, line
+
+
+def test_leaves_split_by_the_compiler_are_reduced_where_they_lie():
+    """Inside a step's ``shard_map`` manual over "data", a leaf split over "model" by
+    the compiler: concatenated, XLA gathered each leaf whole over "model" (64 x H100,
+    GPT 6.7B, 2-D DDP: 8 GiB all-gathers, temporaries 29867 -> 4615 MiB without).
+    The statistics still match numpy."""
+    require_devices(8)
+    mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+    rng = np.random.default_rng(4)
+    leaves = [rng.normal(size=s).astype(np.float32) for s in [(6, 10), (8, 3), (4, 5, 6)]]
+    for x in leaves:
+        x.ravel()[rng.random(x.size) < 0.2] = 0
+    specs = [P(None, "model"), P("model"), P(None, None, "model")]
+    put = [jax.device_put(x, NamedSharding(mesh, s)) for x, s in zip(leaves, specs, strict=True)]
+
+    @jax.jit
+    @jax.shard_map(mesh=mesh, in_specs=P(), out_specs=P(), axis_names={"data"})
+    def stats(*g):
+        return sq_sum_and_zeros(g)
+
+    hlo = stats.lower(*put).compile().as_text()
+    assert "all-gather" not in hlo and "concatenate" not in hlo, hlo
+    sq, zeros = stats(*put)
+    want_sq = sum(float(np.sum(np.square(x.astype(np.float64)))) for x in leaves)
+    np.testing.assert_allclose(float(sq), want_sq, rtol=1e-6)
+    assert int(zeros) == sum(int(np.sum(x == 0)) for x in leaves) > 0

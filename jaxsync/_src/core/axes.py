@@ -106,6 +106,16 @@ def aval_varying_axes(aval: Any) -> frozenset[str]:
     return frozenset(vma)
 
 
+def partitioned_axes() -> tuple[str, ...]:
+    """The axes of the mesh being traced that the compiler partitions (not manual) and
+    that have more than one device: a tensor-parallel split inside the step's
+    ``shard_map``. A value laid out over them loses that layout when flattened, and XLA
+    gathers it whole to flatten it."""
+    mesh = jax.sharding.get_abstract_mesh()
+    manual = getattr(mesh, "manual_axes", ())
+    return tuple(a for a in mesh.axis_names if a not in manual and mesh.shape[a] > 1)
+
+
 def to_varying(tree: Any, axes: tuple[str, ...]) -> Any:
     """Marks every leaf device-varying over ``axes`` (no-op where it already is).
 

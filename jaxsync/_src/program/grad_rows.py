@@ -66,7 +66,7 @@ import jax
 import jax.numpy as jnp
 from jax.extend import core as jcore
 
-from ..core.axes import aval_varying_axes, to_varying
+from ..core.axes import aval_varying_axes, partitioned_axes, to_varying
 from ..core.hosts import in_one_host
 from ..core.jaxpr_compat import scan_num_carry, scan_num_consts
 from .beside import ready_reductions
@@ -93,7 +93,7 @@ def grads_in_activation_rows(closed: Any) -> Any:
     jaxpr = closed.jaxpr
     at = next((i for i, e in enumerate(jaxpr.eqns)
                if e.primitive is _SCAN and e.params["reverse"]), None)  # fmt: skip
-    if at is None or _partitioned_axes():
+    if at is None or partitioned_axes():
         return closed
     loop = jaxpr.eqns[at]
     if loop.params["length"] < MIN_LAYERS:
@@ -122,15 +122,6 @@ def grads_in_activation_rows(closed: Any) -> Any:
     )  # fmt: skip
     eqns = [*jaxpr.eqns[:at], *early, call, *after]
     return jcore.ClosedJaxpr(jaxpr.replace(eqns=eqns), closed.consts)
-
-
-def _partitioned_axes() -> tuple[str, ...]:
-    """The axes of the mesh being traced that the compiler partitions (not manual) and
-    that have more than one device: a tensor-parallel split, whose collectives XLA
-    inserts into the layer where no jaxpr shows them."""
-    mesh = jax.sharding.get_abstract_mesh()
-    manual = getattr(mesh, "manual_axes", ())
-    return tuple(a for a in mesh.axis_names if a not in manual and mesh.shape[a] > 1)
 
 
 def _places(jaxpr: Any, loop: Any) -> dict[int, tuple[int, int]]:
