@@ -13,10 +13,12 @@ starts and completes inside one body); its timeline credits it either way.
   pipelined by XLA's default (the figures are at :data:`DOUBLE_BUFFERING` and
   :func:`step_compiler_options`).
 - 2-D steps (a layer loop that waits on the compiler's tensor-parallel
-  collectives) keep the pipelined reduce-scatter off: measured on 64 x H100 as
-  data=8 x model=8 (1B GPT, the earlier reader) it held one more layer in flight
-  for no modeled time (ZeRO 85.3 ms either way, temporaries 1232 -> 1035 MiB;
-  FSDP 102.8 -> 102.7 ms, 1328 -> 1227 MiB).
+  collectives) keep the pipelined reduce-scatter off: it holds one more layer in
+  flight and more kernel bytes for 1-2% of XLA's timeline. On 64 x H100 as data=8 x
+  model=8 (bench_gpu's GPT, args + temps and timeline, off -> on): 1B ZeRO 1469 ->
+  1501 MiB, 102.4 -> 101.1 ms; 1B FSDP 1272 -> 1408 MiB, 119.5 -> 117.5 ms; 6.7B ZeRO
+  4760 -> 4824 MiB, 350.6 -> 345.1 ms, 158.3 -> 164.4 GB; 6.7B FSDP 3383 -> 3479 MiB,
+  453.0 -> 447.8 ms, 146.1 -> 151.1 GB.
 
 A choice made in ``XLA_FLAGS`` or passed to ``.compile(compiler_options=...)``
 wins.
