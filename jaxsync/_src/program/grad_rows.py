@@ -70,14 +70,23 @@ from ..core.axes import aval_varying_axes, partitioned_axes, to_varying
 from ..core.hosts import in_one_host
 from ..core.jaxpr_compat import scan_num_carry, scan_num_consts
 from .beside import ready_reductions
-from .reach import back_through, collective_axes, downstream, nbytes, run_eqns, upstream
+from .reach import (
+    SHAPE_ONLY,
+    back_through,
+    collective_axes,
+    downstream,
+    nbytes,
+    run_eqns,
+    upstream,
+)
 
 _SCAN = jcore.primitives.scan_p
 #: Collectives, each with the mesh axes it runs over (``axes`` or ``axis_name``).
 _COLLECTIVES = {"reduce_scatter", "all_to_all", "psum", "psum_invariant", "all_gather",
                 "ppermute", "pmax", "pmin"}  # fmt: skip
-#: Ops that only rename a value or its shape (a bitcast for XLA in its default layout).
-_RENAMES = {"name", "pvary", "reshape", "squeeze", "expand_dims"}
+#: Ops that only rename a value or change its shape (:data:`reach.SHAPE_ONLY`); no
+#: transpose or conversion, which XLA would make a copy of.
+_RENAMES = SHAPE_ONLY | {"name", "pvary"}
 #: The fewest layers rewritten. XLA unrolls a loop of 3 trips whole (it runs loops two
 #: iterations to a trip, and peels an odd one), so 4 layers would run their backwards
 #: side by side, with both layers' temporaries live (2 x H100, ZeRO, a 4-layer

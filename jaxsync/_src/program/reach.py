@@ -17,6 +17,8 @@ from jax.extend import core as jcore
 from ..core.axes import normalize_axes
 from ..core.jaxpr_compat import REMAT
 
+#: Ops that change only a value's shape: a bitcast in XLA's default layout.
+SHAPE_ONLY = frozenset({"reshape", "squeeze", "expand_dims"})
 #: Calls :func:`run_eqns` inlines (a remat's only where it keeps no CSE barrier).
 _CALLS = {"closed_call", "pjit", "jit", "core_call"}
 

@@ -42,13 +42,13 @@ from jax.extend import core as jcore
 from ..core.axes import aval_varying_axes
 from ..core.hosts import in_one_host
 from ..core.jaxpr_compat import barrier_eqn, scan_num_carry, scan_num_consts
-from .reach import back_through, collective_axes, downstream, nbytes, upstream
+from .reach import SHAPE_ONLY, back_through, collective_axes, downstream, nbytes, upstream
 from .sink import RETYPES
 
 _SCAN = jcore.primitives.scan_p
 #: Ops a gradient may pass through between its matmul and the program's output: the
 #: conversions a broadcast may pass through (:data:`sink.RETYPES`) and layout changes.
-RESHAPES = RETYPES | {"transpose", "reshape", "squeeze", "expand_dims"}
+RESHAPES = RETYPES | {"transpose"} | SHAPE_ONLY
 #: ... and the ops that pack gradients into a unit's flat array and reduce it there
 #: (a reduce-scatter, or an all-to-all and the sum of what it brought:
 #: ``sync.collectives.scatter_wire_sum``).
