@@ -26,8 +26,9 @@ the loop's, which XLA would otherwise merge into one, exposed, after the loop.
 
 Applied where the result is exact and the loop is the data-parallel one:
 
-- a stack is reused only where the loop is its sole reader, a gradient only where its
-  row fits in what is left of a row (the bits are copied, never converted);
+- a stack is reused only where the loop is its sole reader; a gradient fills what is
+  left of a row and spills the rest into a stack of its own (:mod:`rows`; the bits are
+  copied, never converted);
 - a loop of fewer than :data:`MIN_LAYERS` layers is left alone;
 - a loop whose other collectives run over axes its gradient's reductions do not,
   or that runs on a mesh axis the compiler partitions (tensor-parallel layers), is left
@@ -59,7 +60,6 @@ across hosts) run there instead (:func:`beside.ready_reductions`).
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import jax
@@ -79,6 +79,7 @@ from .reach import (
     run_eqns,
     upstream,
 )
+from .rows import Place, from_bits, places_of, to_bits
 
 _SCAN = jcore.primitives.scan_p
 #: Collectives, each with the mesh axes it runs over (``axes`` or ``axis_name``).
@@ -111,7 +112,7 @@ def grads_in_activation_rows(closed: Any) -> Any:
         type(f).__name__ != "NamedAxisEffect" for f in loop.effects
     ):
         return closed
-    places = _places(jaxpr, loop)
+    places = places_of(jaxpr, loop)
     if not places:
         return closed
     body = _inlined(loop.params["jaxpr"])
@@ -131,73 +132,6 @@ def grads_in_activation_rows(closed: Any) -> Any:
     )  # fmt: skip
     eqns = [*jaxpr.eqns[:at], *early, call, *after]
     return jcore.ClosedJaxpr(jaxpr.replace(eqns=eqns), closed.consts)
-
-
-def _places(jaxpr: Any, loop: Any) -> dict[int, tuple[int, int]]:
-    """For each stacked result written into an input row (by its index among the loop's
-    ``ys``): the input stack's index among its ``xs``, and the offset there (in that
-    stack's elements). Largest results first, each into the stack with most room."""
-    nc, ncar = scan_num_consts(loop), scan_num_carry(loop)
-    length = loop.params["length"]
-    uses: dict[Any, int] = {}
-    for v in [*(v for e in jaxpr.eqns for v in e.invars), *jaxpr.outvars]:
-        if isinstance(v, jcore.Var):
-            uses[v] = uses.get(v, 0) + 1
-    xs = loop.invars[nc + ncar :]
-    room = {k: _row(v.aval) * v.aval.dtype.itemsize for k, v in enumerate(xs)
-            if isinstance(v, jcore.Var) and uses.get(v) == 1 and _stacked(v.aval, length)
-            and v.aval.ndim >= 2}  # fmt: skip
-    ys = [(j, v.aval) for j, v in enumerate(loop.outvars[ncar:])
-          if not isinstance(v, jcore.DropVar) and _stacked(v.aval, length)]  # fmt: skip
-    used = dict.fromkeys(room, 0)
-    places = {}
-    for j, a in sorted(ys, key=lambda t: -_row(t[1]) * t[1].dtype.itemsize):
-        for k in sorted(room, key=lambda k: used[k] - room[k]):
-            s = xs[k].aval
-            need = _elements(a, s.dtype)
-            fits = (used[k] + need) * s.dtype.itemsize <= room[k]
-            if fits and aval_varying_axes(a) == aval_varying_axes(s):
-                places[j] = (k, used[k])
-                used[k] += need
-                break
-    return places
-
-
-def _stacked(a: Any, length: int) -> bool:
-    return a.ndim >= 1 and a.shape[0] == length and jnp.issubdtype(a.dtype, jnp.floating)
-
-
-def _row(a: Any) -> int:
-    return math.prod(a.shape[1:])
-
-
-def _elements(a: Any, dtype: Any) -> int:
-    """How many elements of ``dtype`` hold one row of ``a``."""
-    return -(-_row(a) * a.dtype.itemsize // jnp.dtype(dtype).itemsize)
-
-
-def _to_bits(y: jax.Array, dtype: Any) -> jax.Array:
-    """``y`` flattened, its bits as ``dtype`` elements (padded to whole elements)."""
-    y = y.reshape(-1)
-    src, dst = y.dtype.itemsize, jnp.dtype(dtype).itemsize
-    if src >= dst:
-        return jax.lax.bitcast_convert_type(y, dtype).reshape(-1)
-    r = dst // src
-    y = jnp.pad(y, (0, -y.size % r))
-    return jax.lax.bitcast_convert_type(y.reshape(-1, r), dtype)
-
-
-def _from_bits(bits: jax.Array, aval: Any) -> jax.Array:
-    """The ``[L, ...]`` stack of ``aval`` whose rows' bits are ``bits`` ``[L, n]``."""
-    length = bits.shape[0]
-    src, dst = bits.dtype.itemsize, aval.dtype.itemsize
-    if src == dst:
-        out = jax.lax.bitcast_convert_type(bits, aval.dtype)
-    elif src > dst:
-        out = jax.lax.bitcast_convert_type(bits, aval.dtype).reshape(length, -1)
-    else:
-        out = jax.lax.bitcast_convert_type(bits.reshape(length, -1, dst // src), aval.dtype)
-    return out[:, : _row(aval)].reshape(aval.shape)
 
 
 def _inlined(inner: Any) -> Any:
@@ -305,9 +239,10 @@ def _loop(loop: Any, places: dict, parts: tuple, ops: tuple) -> list:
     n = len(loop.invars)
     consts, carry, xs = ops[:nc], list(ops[nc : nc + ncar]), list(ops[nc + ncar : n])
     tied = ops[n:]  # reductions ready before the loop: reduced beside its first layer
-    stacks = sorted({k for k, _ in places.values()})
+    stacks = sorted({p.stack for p in places.values()})
     # each placed result's row, as elements of the stack it is written into
-    widths = [_elements(loop.outvars[ncar + j].aval, xs[k].dtype) for j, (k, _) in places.items()]
+    widths = [p.take + p.spill for p in places.values()]
+    spilled = [j for j, p in places.items() if p.spill]
     ys = jaxpr.outvars[ncar:]
     nk = len(ys) - len(places)
     kept_ys = [v for j, v in enumerate(ys) if j not in places]
@@ -332,6 +267,9 @@ def _loop(loop: Any, places: dict, parts: tuple, ops: tuple) -> list:
         env = {**fixed, **dict(zip(front, vals, strict=True))}
         return run_eqns(tail, env, [ys[j] for j in places])
 
+    def zeros(n: Any, k: int) -> jax.Array:  # varying as the stack ``k`` is
+        return to_varying(jnp.zeros(n, xs[k].dtype), tuple(aval_varying_axes(xs[k].aval)))
+
     def rows_at(held: tuple, i: Any) -> tuple[list, dict]:
         # the reused stacks' rows behind a barrier: the write that follows them then
         # needs no copy of the stack
@@ -344,44 +282,55 @@ def _loop(loop: Any, places: dict, parts: tuple, ops: tuple) -> list:
         return rows, read
 
     def step(c: tuple, i: Any) -> tuple:
-        state, held, vals, pending = c
+        state, held, spills, vals, pending = c
         rows, read = rows_at(held, i)
         # the row two layers on is written with the gradient the iteration before
         # reduced: a write of this iteration's own reduction would keep the next
         # iteration's read of the stack (XLA runs two to a trip) waiting on it. The
         # first iteration writes zeros into the peeled layer's row, overwritten next.
         pending, _ = jax.lax.optimization_barrier((pending, read))
-        held = list(held)
-        for b, (k, at) in zip(pending, places.values(), strict=True):
-            held[stacks.index(k)] = jax.lax.dynamic_update_slice(
-                held[stacks.index(k)], b[None], (jnp.minimum(i + 2, length - 1), at)
-            )
+        held, spills, row = list(held), list(spills), jnp.minimum(i + 2, length - 1)
+        for b, (j, p) in zip(pending, places.items(), strict=True):
+            at = stacks.index(p.stack)
+            held[at] = jax.lax.dynamic_update_slice(held[at], b[None, : p.take], (row, p.at))
+            if p.spill:
+                s = spilled.index(j)
+                spills[s] = jax.lax.dynamic_update_slice(spills[s], b[None, p.take :], (row, 0))
         # the layer after's gradient (its inputs carried from the iteration before),
         # reduced while this layer computes
         pending = bits_of(tail_of(vals))
         state, kept, vals, pending = head_of(state, rows, pending)
-        return (state, tuple(held), vals, pending), kept
+        return (state, tuple(held), tuple(spills), vals, pending), kept
 
     def bits_of(grads: list) -> list:
-        return [_to_bits(y, xs[k].dtype) for y, (k, _) in zip(grads, places.values(), strict=True)]
+        return [to_bits(y, xs[p.stack].dtype) for y, p in zip(grads, places.values(), strict=True)]
 
     held = tuple(xs[k].reshape(length, -1) for k in stacks)
     rows, _ = rows_at(held, length - 1)  # the backward's first layer, before the loop
     carry, last, vals, _ = head_of(carry, rows)
     if tied:
         (carry, vals), _ = jax.lax.optimization_barrier(((carry, vals), tied))
-    pending = [to_varying(jnp.zeros((n,), xs[k].dtype), tuple(aval_varying_axes(xs[k].aval)))
-               for n, (k, _) in zip(widths, places.values(), strict=True)]  # fmt: skip
-    (carry, held, vals, pending), kept = jax.lax.scan(
-        step, (carry, held, vals, pending), jnp.arange(length - 1, dtype=jnp.int32), reverse=True
+    pending = [zeros((n,), p.stack) for n, p in zip(widths, places.values(), strict=True)]
+    spills = tuple(zeros((length, places[j].spill), places[j].stack) for j in spilled)
+    (carry, held, spills, vals, pending), kept = jax.lax.scan(
+        step,
+        (carry, held, spills, vals, pending),
+        jnp.arange(length - 1, dtype=jnp.int32),
+        reverse=True,
     )
+
     # the gradients read out of the stack before anything after the loop may run (so
     # the stack dies there); row 1's is the one the last iteration reduced, row 0's,
     # the backward's last layer, is reduced after the loop
-    out = [_from_bits(held[stacks.index(k)][:, at : at + n], loop.outvars[ncar + j].aval)
-           for n, (j, (k, at)) in zip(widths, places.items(), strict=True)]  # fmt: skip
+    def read_out(j: int, p: Place) -> jax.Array:
+        bits = held[stacks.index(p.stack)][:, p.at : p.at + p.take]
+        if p.spill:
+            bits = jnp.concatenate([bits, spills[spilled.index(j)]], axis=1)
+        return from_bits(bits, loop.outvars[ncar + j].aval)
+
+    out = [read_out(j, p) for j, p in places.items()]
     carry, out, vals, pending = jax.lax.optimization_barrier((carry, out, vals, pending))
-    ones = [_from_bits(b[None], jax.ShapeDtypeStruct((1, *o.shape[1:]), o.dtype))[0]
+    ones = [from_bits(b[None], jax.ShapeDtypeStruct((1, *o.shape[1:]), o.dtype))[0]
             for b, o in zip(pending, out, strict=True)]  # fmt: skip
     out = [o.at[1].set(p).at[0].set(y)
            for o, p, y in zip(out, ones, tail_of(vals), strict=True)]  # fmt: skip
