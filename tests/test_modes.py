@@ -84,6 +84,12 @@ def test_old_keywords_show_the_new_spelling(mesh8):
         jaxsync.train_step(mlp_loss, tx, mesh8, jaxsync.FSDP(), bucket_size=8)
     with pytest.raises(TypeError, match=r"unexpected keyword argument\(s\) \['bucket'\]"):
         jaxsync.train_step(mlp_loss, tx, mesh8, bucket=8)
+    # An option that only a mode value takes shows that value, not a bare TypeError.
+    with pytest.raises(TypeError, match=r"inside it: jaxsync.DDP\(param_dtype=jnp.bfloat16\)"):
+        jaxsync.train_step(mlp_loss, tx, mesh8, mode="ddp", param_dtype=jnp.bfloat16)
+    with pytest.raises(TypeError, match=r"`param_dtype` is an option of jaxsync.DDP, not of "
+                       r"mode='zero'"):  # fmt: skip
+        jaxsync.train_step(mlp_loss, tx, mesh8, mode="zero", param_dtype=jnp.bfloat16)
     # A keyword of another mode is refused at its default value too (#44): it was
     # dropped without a word.
     with pytest.raises(ValueError, match=r"`reduce_dtype` is an option of jaxsync.DDP or "

@@ -179,12 +179,48 @@ def test_a_state_on_the_same_devices_in_another_order_is_named(mesh):
         made = jaxsync.train_step(mse, optax.sgd(0.1), mesh, mode=mode)
         other = jaxsync.train_step(mse, optax.sgd(0.1), reversed_mesh, mode=mode)
         state = made.init(PARAMS)
-        other.init(PARAMS)
         with pytest.raises(ValueError, match=r"the same devices in another order.*device_put"):
             other(state, batch())
-        moved = jax.device_put(state, other.state_shardings(state))  # the fix it names
+        # the fix it names, on a step that has made no state itself
+        moved = jax.device_put(state, other.state_shardings(other.abstract_state(PARAMS)))
         _, loss = other(moved, batch())
         assert float(loss) == 9.0
+
+
+@pytest.mark.parametrize("mode", ["zero", "fsdp"])
+def test_a_state_cut_for_other_data_parallel_ranks_is_sent_through_a_checkpoint(mesh, mode):
+    """A ZeRO or FSDP state made on 8 devices, handed to a step on 4: its flat shards
+    were cut for 8, so moving the arrays cannot help; the error says so and names the
+    checkpoint that cuts them again."""
+    from jax.sharding import Mesh
+
+    four = Mesh(np.array(jax.devices()[:4]), ("data",))
+    state = jaxsync.train_step(mse, optax.sgd(0.1), mesh, mode=mode).init(PARAMS)
+    other = jaxsync.train_step(mse, optax.sgd(0.1), four, mode=mode)
+    with pytest.raises(ValueError, match=r"cut for 8 data-parallel ranks and this step's are 4.*"
+                       r"save_state.*restore_state"):  # fmt: skip
+        other(state, batch())
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_step_rebuilt_with_other_settings_takes_the_state_another_step_made(mesh, mode):
+    """A step built mid-run (here with 2 microbatches) has made no state; it takes one
+    that another step made from the same model, and trains it as that step would. A
+    state of another mode is refused naming both modes."""
+    tx = optax.sgd(0.1)
+    made = jaxsync.train_step(mse, tx, mesh, mode=mode)
+    state, _ = made(made.init(PARAMS), batch())
+    want = jax.device_get(made.params(made(state, batch())[0]))
+    state, _ = made(made.init(PARAMS), batch())
+    rebuilt = jaxsync.train_step(mse, tx, mesh, mode=mode, microbatches=2)
+    got = jax.device_get(rebuilt.params(rebuilt(state, batch())[0]))
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-7)
+    other = next(m for m in MODES if m != mode)
+    foreign = jaxsync.train_step(mse, tx, mesh, mode=other)
+    with pytest.raises(ValueError, match=rf"it is a mode='{mode}' state and this step's mode "
+                       rf"is '{other}'"):  # fmt: skip
+        foreign(made.init(PARAMS), batch())
 
 
 @pytest.mark.parametrize("mode", ["ddp", "zero"])

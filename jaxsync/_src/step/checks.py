@@ -56,13 +56,35 @@ STATE_ON_OTHER_MESH = (
     "{fn}: the state's arrays are on a mesh with devices {got}, and this step's mesh has "
     "{want}{why}. Shards belong to positions in the mesh, so the step cannot read them "
     "there. Build the state with this step's `init` (or restore into it), build the step "
-    "with the mesh the state was made on, or move the state: "
-    "`state = jax.device_put(state, step.state_shardings(state))`."
+    "with the mesh the state was made on, or {move}"
+)
+#: Moving a state whose shards fit this step's data-parallel size as they are.
+MOVE_PUT = (
+    "move the state: `state = jax.device_put(state, "
+    "step.state_shardings(step.abstract_state(params)))`."
+)
+#: Moving a state whose flat shards were cut for another data-parallel size.
+MOVE_CHECKPOINT = (
+    "move the state through a checkpoint: its flat shards were cut for {cut} "
+    "data-parallel ranks and this step's are {dp}, so save it with "
+    "`jaxsync.Checkpointer(dir).save_state(old_step, state)` and restore it with "
+    "`Checkpointer(dir).restore_state(step, step.abstract_state(params))`, which cuts "
+    "them again."
 )
 
 
-def check_state_mesh(state: PyTree, mesh: Any, fn: str) -> None:
-    """The state must live on the step's mesh, devices in the same order."""
+def _cut_for(state: PyTree) -> int:
+    """The data-parallel size the state's flat shards were cut for (its layout tag); 0
+    where none depends on it or the tag cannot be read here."""
+    try:
+        return int(np.asarray(state.layout)[0])
+    except (AttributeError, TypeError, ValueError, IndexError, RuntimeError):
+        return 0
+
+
+def check_state_mesh(state: PyTree, mesh: Any, fn: str, dp: int = 0) -> None:
+    """The state must live on the step's mesh, devices in the same order (``dp``: the
+    step's data-parallel size, for the advice on moving the state)."""
     want = [d.id for d in mesh.devices.flat]
     seen: set[int] = set()
     for x in jax.tree.leaves(state):
@@ -76,7 +98,11 @@ def check_state_mesh(state: PyTree, mesh: Any, fn: str) -> None:
             if got != want:
                 same = sorted(got) == sorted(want)
                 why = " (the same devices in another order)" if same else " (other devices)"
-            raise ValueError(STATE_ON_OTHER_MESH.format(fn=fn, got=got, want=want, why=why))
+            cut = _cut_for(state)
+            move = MOVE_CHECKPOINT.format(cut=cut, dp=dp) if cut and cut != dp else MOVE_PUT
+            raise ValueError(
+                STATE_ON_OTHER_MESH.format(fn=fn, got=got, want=want, why=why, move=move)
+            )
 
 
 def checked_labels(labels: Any, inner: dict[str, Any]) -> Any:

@@ -185,7 +185,15 @@ MODE_OPTIONS = {
 
 
 def _spelling(cls: type, options: dict[str, Any]) -> str:
-    args = ", ".join(f"{k}={v!r}" for k, v in options.items())
+    def shown(v: Any) -> str:  # a dtype as it is written: jnp.bfloat16
+        try:
+            if isinstance(v, type | jnp.dtype):
+                return f"jnp.{jnp.dtype(v).name}"
+        except TypeError:
+            pass
+        return repr(v)
+
+    args = ", ".join(f"{k}={shown(v)}" for k, v in options.items())
     return f"jaxsync.{cls.__name__}({args})"
 
 
@@ -197,6 +205,17 @@ def mode_of(mode: Any, options: dict[str, Any], fn: str = "jaxsync.train_step") 
     the value to write instead.
     """
     unknown = sorted(set(options) - set(MODE_OPTIONS))
+    for key in unknown:  # an option only a mode value takes: show the value to write
+        owners = [c for c in MODES.values() if key in {f.name for f in dataclasses.fields(c)}]
+        if owners:
+            named = MODES.get(mode) if isinstance(mode, str) else type(mode)
+            if named not in owners:
+                where = f"mode={mode!r}" if isinstance(mode, str) else f"jaxsync.{named.__name__}"
+                raise TypeError(_foreign(key, options[key], where, owners))
+            raise TypeError(
+                f"{fn}: `{key}` is an option of the mode value, not a keyword of "
+                f"{fn}; pass it inside it: {_spelling(named, {key: options[key]})}."
+            )
     if unknown:
         raise TypeError(f"{fn}() got unexpected keyword argument(s) {unknown}.")
     if isinstance(mode, DDP | ZeRO | FSDP):
@@ -230,8 +249,8 @@ def mode_of(mode: Any, options: dict[str, Any], fn: str = "jaxsync.train_step") 
     return cls(**options)
 
 
-def _foreign(key: str, value: Any, mode: str) -> str:
-    owners = MODE_OPTIONS[key]
+def _foreign(key: str, value: Any, mode: str, owners: Any = None) -> str:
+    owners = MODE_OPTIONS[key] if owners is None else owners
     names = " or ".join(f"jaxsync.{c.__name__}" for c in owners)
     return (
         f"`{key}` is an option of {names}, not of {mode}. Drop `{key}`, or train with "

@@ -36,13 +36,13 @@ from .held import split_stacks
 WRONG_LAYOUT = (
     "{fn}: this state's flat shards were cut for {saved}, and this step's for {now} "
     "({mode!r} mode): in this step's arrays their elements stand in another order, so the "
-    "state would train (and read) silently wrong. It was restored by code that "
-    "does not know jaxsync's layout (plain orbax: StandardCheckpointer, "
-    "PyTreeCheckpointer), saved from a step of another layout. Save with "
-    "`jaxsync.Checkpointer(dir).save_state(step, state)` and restore with "
-    "`Checkpointer.restore_state(step, step.init(params))`, which rebuild the shards for "
-    "any data-parallel size; or restore with plain orbax into a step built as the saved "
-    "one was ({saved})."
+    "state would train (and read) silently wrong. It was made by a step of another "
+    "layout, or restored by code that does not know jaxsync's layout (plain orbax: "
+    "StandardCheckpointer, PyTreeCheckpointer). Move it through "
+    "`jaxsync.Checkpointer(dir).save_state(old_step, state)` and "
+    "`Checkpointer(dir).restore_state(step, step.abstract_state(params))`, which cut the "
+    "shards again for any data-parallel size and layout; or run it (or restore it with "
+    "plain orbax) on a step built as the one that made it ({saved})."
 )
 NO_TAG = (
     "{fn}: this state has no shard layout tag (`state.layout` is {got}): it was saved "

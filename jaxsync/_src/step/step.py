@@ -19,6 +19,7 @@ and loss scaling (the distributed optimizer's arithmetic).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable
 from typing import Any
@@ -51,6 +52,7 @@ from .checks import (
     check_state_mesh,
 )
 from .held import whole_params
+from .made import made_from, note_made, unmatched
 from .make import distinct, make_state, replicated_copy
 from .models import linen
 from .models.collections import check_collections
@@ -123,7 +125,7 @@ class TrainStep:
         plan = dataclasses.replace(plan, specs=specs)
         state = distinct(state)
         remember(self, state.layout)
-        self._register(state, plan)
+        self._register(state, plan, (model, params, rest))
         handed.note(self, state)
         return state
 
@@ -139,6 +141,10 @@ class TrainStep:
         model, params, rest = self._split(
             params, nnx_states, "TrainStep.abstract_state", model_state
         )
+        return self._abstract(model, params, rest)
+
+    def _abstract(self, model: Any, params: PyTree, rest: PyTree) -> TrainState:
+        """:meth:`abstract_state` of split, checked params (registers the plan)."""
         built: dict[str, Plan] = {}
         layout = spec_layout(self, params)  # from the shardings, before tracing drops them
 
@@ -156,7 +162,7 @@ class TrainStep:
             ),
             shapes, plan.specs,
         )  # fmt: skip
-        self._register(state, plan)
+        self._register(state, plan, (model, params, rest))
         return state
 
     def _split(
@@ -191,10 +197,11 @@ class TrainStep:
         check_deterministic_state(deterministic_of(self.mode), rest, self.mode.name, fn)
         return model, params, rest
 
-    def _register(self, state: TrainState, plan: Plan) -> None:
+    def _register(self, state: TrainState, plan: Plan, made: tuple) -> None:
         object.__setattr__(plan, "state_share", state_share(state, self.mesh))
         object.__setattr__(plan, "fn", self._build(plan))
         self._plans[signature(state)] = plan
+        note_made(signature(state), *made)
 
     # ------------------------------------------------------------------ step
     def __call__(
@@ -208,7 +215,8 @@ class TrainStep:
         ``loss_fn(params, batch, key)`` (see docs/train-step.md, "Random numbers").
         """
         check_state_alive(state, "TrainStep.__call__")
-        check_state_mesh(state, self.mesh, "TrainStep.__call__")
+        fn = "TrainStep.__call__"
+        check_state_mesh(state, self.mesh, fn, mesh_axes_size(self.mesh, self.axis_name, fn))
         plan = self._plan(state, "TrainStep.__call__")
         fn = self._fn(plan, key)
         check_batch_keys(batch)
@@ -261,13 +269,15 @@ class TrainStep:
                 f"{fn}: `state` must be the TrainState from `init`, got {type(state).__name__}."
             )
         plan = self._plans.get(signature(state))
+        if plan is None and (made := made_from(signature(state))) is not None:
+            # a state another step made from a model: this step's plan for that model (one
+            # whose settings do not take that model is refused below)
+            with contextlib.suppress(TypeError, ValueError):
+                self._abstract(*made)
+            plan = self._plans.get(signature(state))
         if plan is None:
             check_untagged(state, fn)
-            raise ValueError(
-                f"{fn}: this state's structure, shapes or shardings match no `init` of this "
-                "TrainStep. Build the state with `step.init(params_or_module)` (a restored "
-                "state too: restore into the state `init` returns)."
-            )
+            raise ValueError(unmatched(fn, state, self.mode.name))
         check_tag(self, state, fn)  # a state cut for another layout (plain orbax restore)
         return plan
 
