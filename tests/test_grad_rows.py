@@ -52,14 +52,16 @@ def _program(tokens, layers=L):
     return jax.make_jaxpr(jax.value_and_grad(_loss))(params, x), (params, x)
 
 
-def _stacked_outputs(closed):
-    """The shapes of the stacked results every backward loop of ``closed`` hands out."""
+def _stacked_outputs(closed, carried=False):
+    """The shapes of the stacked results every backward loop of ``closed`` hands out;
+    ``carried``: of the values it carries instead."""
     found = []
     for e in closed.jaxpr.eqns:
         if e.primitive.name == "closed_call":
-            found += _stacked_outputs(e.params["call_jaxpr"])
+            found += _stacked_outputs(e.params["call_jaxpr"], carried)
         if e.primitive.name == "scan" and e.params["reverse"]:
-            found += [tuple(v.aval.shape) for v in e.outvars[scan_num_carry(e) :]]
+            n = scan_num_carry(e)
+            found += [tuple(v.aval.shape) for v in (e.outvars[:n] if carried else e.outvars[n:])]
     return found
 
 
@@ -75,31 +77,23 @@ def test_the_gradient_stack_no_longer_leaves_the_backward_loop_and_values_are_ex
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
 
 
-def _carried(closed):
-    """The shapes every rewritten backward loop of ``closed`` carries."""
-    found = []
-    for e in closed.jaxpr.eqns:
-        if e.primitive.name == "closed_call":
-            found += _carried(e.params["call_jaxpr"])
-        if e.primitive.name == "scan" and e.params["reverse"]:
-            found += [tuple(v.aval.shape) for v in e.outvars[: scan_num_carry(e)]]
-    return found
-
-
 def test_a_gradient_larger_than_a_row_of_inputs_fills_the_row_and_spills_the_rest():
-    """A row of inputs (4 x 16 floats) holds a quarter of a layer's 16 x 16 gradient:
-    that quarter goes there, the other three quarters into a stack of their own, and
-    the values are the program's, bit for bit."""
-    closed, args = _program(tokens=4)
+    """A row of inputs (8 x 16 floats) holds half a layer's 16 x 16 gradient: that half
+    goes there, the other half into a stack of its own, and the values are the
+    program's, bit for bit. A row that holds less than a third of it (4 x 16) leaves
+    the loop alone."""
+    closed, args = _program(tokens=8)
     rows = grads_in_activation_rows(closed)
     assert rows is not closed
     assert not any(s[1:] == (D, D) for s in _stacked_outputs(rows))
-    carried = _carried(rows)
-    assert (L, 4 * D) in carried and (L, D * D - 4 * D) in carried, carried
+    carried = _stacked_outputs(rows, carried=True)
+    assert (L, 8 * D) in carried and (L, D * D - 8 * D) in carried, carried
     want = jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *args)
     got = jax.core.eval_jaxpr(rows.jaxpr, rows.consts, *args)
     for g, w in zip(got, want, strict=True):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    closed, _ = _program(tokens=4)
+    assert grads_in_activation_rows(closed) is closed
 
 
 def test_a_loop_of_fewer_layers_than_xla_keeps_as_a_loop_is_left_alone():

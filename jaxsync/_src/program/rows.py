@@ -30,11 +30,20 @@ class Place(NamedTuple):
     spill: int
 
 
+#: The least share of a result the rows must hold for it to be placed (one part in
+#: three). Below it the spilled stack is nearly the whole one, and the rewritten loop's
+#: schedule (each layer's reduction in the next iteration) replaces XLA's for little:
+#: docs/gpu.md's 64 x H100 example, 8 rows of 1024 per GPU against a 256 KiB shard
+#: (6% of it), had its backward loop's reduce-scatters left without compute beside them.
+MIN_SHARE = 3
+
+
 def places_of(jaxpr: Any, loop: Any) -> dict[int, Place]:
     """For each stacked result written into an input row (by its index among the loop's
     ``ys``), its :class:`Place`. Largest results first, each into the stack with most
-    room; one that fits no row whole puts what fits in the roomiest and spills the rest
-    into a stack of its own, which still frees what the rows hold of it. ``bench_gpu``'s
+    room; one that fits no row whole puts what fits in the roomiest (a third of it at
+    least: :data:`MIN_SHARE`) and spills the rest into a stack of its own, which still
+    frees what the rows hold of it. ``bench_gpu``'s
     Llama-style 1.1B on 8 x H100, FSDP, args + temps per GPU (GSPMD's FSDP), XLA's
     timeline: 2 rows of 2048 tokens per GPU (a 21.5 MiB shard per layer against 16 MiB
     of inputs) 3845 -> 3550 MiB (3937), 76.5 -> 77.4 ms (85.5); 1 row of 2048, 3058 ->
@@ -62,6 +71,8 @@ def places_of(jaxpr: Any, loop: Any) -> dict[int, Place]:
         k = max(free, key=lambda k: free[k])
         need = elements(a, xs[k].aval.dtype)
         take = min(need, room[k] - used[k])
+        if take * MIN_SHARE < need:
+            continue
         places[j] = Place(k, used[k], take, need - take)
         used[k] += take
     return places
