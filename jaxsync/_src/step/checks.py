@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..core.axes import check_idle_axes
+from ..core.axes import check_idle_axes, mesh_axes_size
 from ..core.names import param_name
 from ..core.specs import entry_axes
 from ..layout.ownership import WholeMatrices
@@ -82,9 +82,9 @@ def _cut_for(state: PyTree) -> int:
         return 0
 
 
-def check_state_mesh(state: PyTree, mesh: Any, fn: str, dp: int = 0) -> None:
-    """The state must live on the step's mesh, devices in the same order (``dp``: the
-    step's data-parallel size, for the advice on moving the state)."""
+def check_state_mesh(state: PyTree, mesh: Any, fn: str, axes: Any = ()) -> None:
+    """The state must live on the step's mesh, devices in the same order (``axes``: the
+    step's data axes, sized only for the advice on moving a refused state)."""
     want = [d.id for d in mesh.devices.flat]
     seen: set[int] = set()
     for x in jax.tree.leaves(state):
@@ -98,7 +98,7 @@ def check_state_mesh(state: PyTree, mesh: Any, fn: str, dp: int = 0) -> None:
             if got != want:
                 same = sorted(got) == sorted(want)
                 why = " (the same devices in another order)" if same else " (other devices)"
-            cut = _cut_for(state)
+            cut, dp = _cut_for(state), mesh_axes_size(mesh, axes, fn) if axes else 0
             move = MOVE_CHECKPOINT.format(cut=cut, dp=dp) if cut and cut != dp else MOVE_PUT
             raise ValueError(
                 STATE_ON_OTHER_MESH.format(fn=fn, got=got, want=want, why=why, move=move)

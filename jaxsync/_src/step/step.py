@@ -215,8 +215,7 @@ class TrainStep:
         ``loss_fn(params, batch, key)`` (see docs/train-step.md, "Random numbers").
         """
         check_state_alive(state, "TrainStep.__call__")
-        fn = "TrainStep.__call__"
-        check_state_mesh(state, self.mesh, fn, mesh_axes_size(self.mesh, self.axis_name, fn))
+        check_state_mesh(state, self.mesh, "TrainStep.__call__", self.axis_name)
         plan = self._plan(state, "TrainStep.__call__")
         fn = self._fn(plan, key)
         check_batch_keys(batch)
